@@ -1,0 +1,1 @@
+"""Mechanics shared by every family: rotary kernels (and, later, varlen and sequence parallel)."""

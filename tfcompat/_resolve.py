@@ -1,0 +1,244 @@
+"""Version-probing resolvers: one decision per capability, made once, cached, inspectable.
+
+A capability is a dotted name plus a family, e.g. ``rope.apply:glm4v``. Each resolver
+imports the installed transformers' modeling module and *probes* it (which symbol the
+attention calls, what a function's body does, which methods a class has) rather than
+comparing version strings: symbols vanish per model, not per major release.
+
+Every decision is a frozen :class:`Resolution`. ``report()`` lists them; ``clear_cache()``
+forgets them (for tests).
+"""
+
+import dataclasses
+import functools
+import importlib
+import importlib.util
+import inspect
+import re
+import threading
+
+from . import version as _version
+from ._families import FAMILIES, family as _family
+from .errors import UnsupportedTransformersError
+
+__all__ = ["Resolution", "resolve", "report", "clear_cache", "installed_families"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+    """One decision: what tfcompat uses for ``capability`` on the installed transformers."""
+
+    capability: str
+    #: short name of the chosen implementation
+    impl: str
+    #: dotted path of the upstream object it came from ("" when bundled)
+    source: str
+    #: which probe decided, in words
+    reason: str
+    #: installed transformers version
+    transformers: str
+    #: small, family-specific facts derived by the probe (a frozen dataclass or None)
+    plan: object = None
+    #: the resolved upstream object itself; not part of equality or repr
+    target: object = dataclasses.field(default=None, compare=False, repr=False)
+
+    def as_dict(self):
+        plan = dataclasses.asdict(self.plan) if dataclasses.is_dataclass(self.plan) else self.plan
+        return {
+            "capability": self.capability,
+            "impl": self.impl,
+            "source": self.source,
+            "reason": self.reason,
+            "transformers": self.transformers,
+            "plan": plan,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class RopePlan:
+    """How the installed attention of a family applies RoPE.
+
+    rotation: "neox" (halves of the rotary width, ``rotate_half``) or "gptj" (adjacent pairs).
+    cos_rows: 3 when cos/sin arrive unfolded as (3, batch, seq, dim) and the attention folds
+        the mRoPE sections itself; 0 when they arrive folded as (batch, seq, dim).
+    gptj_cos: for "gptj": "half" when the attention takes the first half of cos and
+        repeat-interleaves it, "pairs" when cos already repeats each frequency twice.
+    mrope: "none", "contiguous" or "interleaved" (where the sections are folded).
+    """
+
+    rotation: str
+    cos_rows: int
+    gptj_cos: str = ""
+    mrope: str = "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeInitPlan:
+    """How the installed rotary module of a family builds ``inv_freq``."""
+
+    #: "rope_parameters" (5.x) or "rope_scaling" (4.x): where the config keeps the RoPE dict
+    config_key: str
+    #: whether the default init honours partial_rotary_factor
+    reads_partial_rotary: bool
+    #: mrope_section the rotary module falls back to (None: no fallback)
+    default_mrope_section: tuple = None
+
+
+_lock = threading.RLock()
+_cache = {}
+
+
+def clear_cache():
+    """Forget every resolution (tests use this after changing what is importable)."""
+    with _lock:
+        _cache.clear()
+        _version.transformers_version.cache_clear()
+        _import.cache_clear()
+
+
+@functools.lru_cache(maxsize=None)
+def _import(module):
+    return importlib.import_module(module)
+
+
+def _source(obj):
+    try:
+        return inspect.getsource(inspect.unwrap(obj))
+    except (OSError, TypeError):
+        return ""
+
+
+def _modeling(fam, capability):
+    installed = _version.require_supported_transformers(capability)
+    try:
+        return _import(fam.modeling)
+    except ImportError as exc:
+        raise UnsupportedTransformersError(
+            f"{capability}: transformers {installed} has no {fam.modeling} ({exc}); the {fam.name} family "
+            f"first ships with transformers {fam.since}; upgrade transformers or use another family"
+        ) from None
+
+
+def _attr(module, name, capability):
+    obj = getattr(module, name, None)
+    if obj is None:
+        raise UnsupportedTransformersError(
+            f"{capability}: transformers {_version.transformers_version()} has no {module.__name__}.{name}; "
+            f"tfcompat knows this family from transformers {_version.MIN_TRANSFORMERS} to "
+            f"{_version.TESTED_MAX_TRANSFORMERS}; please report this release to tfcompat"
+        )
+    return obj
+
+
+def _resolve_rope_apply(fam, capability):
+    module = _modeling(fam, capability)
+    attention = _attr(module, fam.attention, capability)
+    body = _source(attention.forward)
+    where = f"{fam.attention}.forward"
+    if "apply_multimodal_rotary_pos_emb" in body and hasattr(module, "apply_multimodal_rotary_pos_emb"):
+        name, rows = "apply_multimodal_rotary_pos_emb", 3
+        reason = f"{where} calls apply_multimodal_rotary_pos_emb: cos/sin arrive as (3, batch, seq, dim)"
+    elif "apply_rotary_pos_emb(" in body and hasattr(module, "apply_rotary_pos_emb"):
+        name, rows = "apply_rotary_pos_emb", 0
+        reason = f"{where} calls apply_rotary_pos_emb: cos/sin arrive folded as (batch, seq, dim)"
+    else:
+        raise UnsupportedTransformersError(
+            f"{capability}: {where} in transformers {_version.transformers_version()} calls neither "
+            f"apply_multimodal_rotary_pos_emb nor apply_rotary_pos_emb; this release is not covered by tfcompat "
+            f"(tested {_version.MIN_TRANSFORMERS} to {_version.TESTED_MAX_TRANSFORMERS}); please report it"
+        )
+    fn = getattr(module, name)
+    gptj_cos = ""
+    if fam.rotation == "gptj":
+        # GLM before 5.17 halves cos and repeat-interleaves it inside the apply function;
+        # from 5.17 the rotary module emits the interleaved layout (transformers matrix §2b).
+        gptj_cos = "half" if "repeat_interleave" in _source(fn) else "pairs"
+        reason += f"; GPT-J pairs, cos {'halved and repeat-interleaved by the attention' if gptj_cos == 'half' else 'already interleaved by the rotary module'}"
+    plan = RopePlan(rotation=fam.rotation, cos_rows=rows, gptj_cos=gptj_cos, mrope=fam.mrope)
+    return Resolution(capability, name, f"{module.__name__}.{name}", reason,
+                      str(_version.transformers_version()), plan, fn)
+
+
+_SECTION_DEFAULT = re.compile(r"""get\(\s*["']mrope_section["']\s*,\s*\[([\d,\s]+)\]""")
+
+
+def _resolve_rope_init(fam, capability):
+    module = _modeling(fam, capability)
+    rotary = _attr(module, fam.rotary, capability)
+    init_src = _source(rotary.__init__)
+    default = getattr(rotary, "compute_default_rope_parameters", None)
+    if default is not None:
+        # 5.x: a per-model staticmethod reads config.rope_parameters (transformers 5.0.0)
+        reads_partial = "partial_rotary_factor" in _source(default)
+        key, impl = "rope_parameters", "compute_default_rope_parameters"
+        source = f"{module.__name__}.{fam.rotary}.compute_default_rope_parameters"
+        reason = f"{fam.rotary} has compute_default_rope_parameters (config.rope_parameters)"
+    else:
+        # 4.x: ROPE_INIT_FUNCTIONS["default"] reads config.rope_theta and partial_rotary_factor
+        key, impl, reads_partial = "rope_scaling", "_compute_default_rope_parameters", True
+        source = "transformers.modeling_rope_utils._compute_default_rope_parameters"
+        reason = f"{fam.rotary} has no compute_default_rope_parameters: 4.x rope_scaling/rope_theta config"
+    match = _SECTION_DEFAULT.search(init_src)
+    section = tuple(int(x) for x in match.group(1).split(",") if x.strip()) if match else None
+    if section:
+        reason += f"; rotary module defaults mrope_section to {list(section)}"
+    plan = RopeInitPlan(config_key=key, reads_partial_rotary=reads_partial, default_mrope_section=section)
+    return Resolution(capability, impl, source, reason, str(_version.transformers_version()), plan, rotary)
+
+
+_RESOLVERS = {
+    "rope.apply": _resolve_rope_apply,
+    "rope.init": _resolve_rope_init,
+}
+
+
+def register(kind, resolver):
+    """Add a resolver for capabilities ``kind:<family>`` (used by the other public modules)."""
+    _RESOLVERS[kind] = resolver
+
+
+def resolve(kind, family):
+    """The cached :class:`Resolution` of ``kind`` (e.g. ``"rope.apply"``) for ``family``."""
+    fam = _family(family)
+    capability = f"{kind}:{fam.name}"
+    with _lock:
+        hit = _cache.get(capability)
+        if hit is not None:
+            return hit
+        if kind not in _RESOLVERS:
+            raise KeyError(f"unknown capability kind {kind!r}; known: {sorted(_RESOLVERS)}")
+        result = _RESOLVERS[kind](fam, capability)
+        _cache[capability] = result
+        return result
+
+
+def installed_families():
+    """Names of the supported families whose modeling module the installed transformers ships."""
+    _version.require_supported_transformers()
+    found = []
+    for name, fam in FAMILIES.items():
+        try:
+            spec = importlib.util.find_spec(fam.modeling)
+        except ModuleNotFoundError:
+            spec = None
+        if spec is not None:
+            found.append(name)
+    return found
+
+
+def report(families=None):
+    """Resolve every capability for ``families`` (default: all installed) and return the records.
+
+    Capabilities that cannot be resolved are reported as a Resolution with impl
+    ``"unsupported"`` and the error text as reason, so one gap does not hide the rest.
+    """
+    names = installed_families() if families is None else [_family(f).name for f in families]
+    out = []
+    for name in names:
+        for kind in _RESOLVERS:
+            try:
+                out.append(resolve(kind, name))
+            except UnsupportedTransformersError as exc:
+                out.append(Resolution(f"{kind}:{name}", "unsupported", "", str(exc),
+                                      str(_version.transformers_version())))
+    return out

@@ -1,0 +1,143 @@
+"""Read RoPE settings from any GLM/Qwen config, on any supported transformers release.
+
+transformers 4.x keeps ``rope_scaling`` (a dict, or None for unscaled models) and a
+top-level ``rope_theta``; 5.x keeps ``rope_parameters`` with ``rope_theta`` inside and turns
+``rope_scaling`` into an alias property that is never None. Vision-language configs keep
+text settings under ``text_config`` (flat Qwen2-VL configs before 4.52). Some defaults live
+in the modeling code, not the config (mRoPE sections, Qwen3-VL/Qwen3.5 interleaving).
+
+Nothing here writes to a config.
+
+.. versionadded:: 0.1.0
+"""
+
+import dataclasses
+import types
+
+from . import _resolve
+from ._families import family as _family
+from .errors import ConfigError
+
+__all__ = ["RopeParameters", "rope_parameters", "text_config"]
+
+_KNOWN_KEYS = {"rope_type", "type", "rope_theta", "mrope_section", "mrope_interleaved", "partial_rotary_factor"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeParameters:
+    """The RoPE settings a family's text rotary module uses.
+
+    rotary_dim: width of q/k that is rotated (``head_dim * partial_rotary_factor``);
+    mrope_section: (T, H, W) frequency counts summing to ``rotary_dim // 2``, or None;
+    scaling: the remaining keys of the RoPE dict (``factor``, ``original_max_position_embeddings``, ...).
+    """
+
+    model_type: str
+    rope_type: str
+    rope_theta: float
+    head_dim: int
+    rotary_dim: int
+    partial_rotary_factor: float
+    mrope_section: tuple = None
+    mrope_interleaved: bool = False
+    scaling: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+
+
+def text_config(config):
+    """The text config of a vision-language config, or ``config`` itself for text models.
+
+    Flat Qwen2-VL configs (transformers < 4.52) have no ``text_config`` and are returned as is.
+    """
+    sub = config.__dict__.get("text_config", None)
+    if sub is None:
+        getter = getattr(config, "get_text_config", None)
+        sub = getter() if callable(getter) else None
+    return config if sub is None else sub
+
+
+def _rope_dict(cfg, key):
+    """The raw RoPE dict (a copy) and the name of the attribute it came from."""
+    raw = cfg.__dict__.get("rope_parameters") if key == "rope_parameters" else None
+    if raw is None and key == "rope_parameters":
+        raw = getattr(cfg, "rope_parameters", None)
+    if raw is None:
+        raw = cfg.__dict__.get("rope_scaling")
+        key = "rope_scaling"
+    raw = dict(raw or {})
+    layer_types = getattr(cfg, "layer_types", None) or ()
+    if raw and set(raw) <= set(layer_types):
+        # 5.x nests one dict per attention type; RoPE belongs to the full-attention layers
+        nested = raw.get("full_attention")
+        if not isinstance(nested, dict):
+            raise ConfigError(
+                f"{key} of {type(cfg).__name__} is nested per layer type ({sorted(raw)}) without a "
+                f"'full_attention' entry; tfcompat reads RoPE of full-attention layers only"
+            )
+        raw = dict(nested)
+    return raw, key
+
+
+def rope_parameters(config, *, model_type=None):
+    """The :class:`RopeParameters` of ``config`` (top-level or text config) on the installed release.
+
+    >>> rp = rope_parameters(model.config)            # doctest: +SKIP
+    >>> rp.rope_theta, rp.mrope_section, rp.rotary_dim  # doctest: +SKIP
+    (1000000.0, (16, 24, 24), 128)
+    """
+    fam = _family(model_type if model_type is not None else config)
+    cfg = text_config(config)
+    init = _resolve.resolve("rope.init", fam.name).plan
+    raw, key = _rope_dict(cfg, init.config_key)
+
+    rope_type = raw.get("rope_type", raw.get("type", "default")) or "default"
+    if rope_type == "mrope":  # Qwen2-VL configs spell the default type "mrope"
+        rope_type = "default"
+
+    theta = raw.get("rope_theta", cfg.__dict__.get("rope_theta", getattr(cfg, "rope_theta", None)))
+    if theta is None:
+        raise ConfigError(
+            f"rope_parameters({type(config).__name__}): no rope_theta in {key} nor on the config; "
+            f"transformers {_resolve._version.transformers_version()} keeps it in {init.config_key}; "
+            f"pass a config built by transformers"
+        )
+
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    partial = 1.0
+    if init.reads_partial_rotary:
+        partial = raw.get("partial_rotary_factor", None)
+        if partial is None:
+            partial = cfg.__dict__.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
+        partial = 1.0 if partial is None else float(partial)
+    rotary_dim = int(head_dim * partial)
+
+    section = None
+    if fam.mrope != "none":
+        section = raw.get("mrope_section")
+        if section is None:
+            section = init.default_mrope_section
+        if section is not None:
+            section = tuple(int(s) for s in section)
+            if fam.mrope == "contiguous" and 2 * sum(section) != rotary_dim:
+                raise ConfigError(
+                    f"{fam.name}: mrope_section {list(section)} adds up to {sum(section)}, but the rotary "
+                    f"width is {rotary_dim} (head_dim {head_dim} x partial_rotary_factor {partial}); "
+                    f"the sections must add up to {rotary_dim // 2}"
+                )
+            if fam.mrope == "interleaved" and sum(section) > rotary_dim // 2:
+                raise ConfigError(
+                    f"{fam.name}: mrope_section {list(section)} does not fit the {rotary_dim // 2} rotary "
+                    f"frequencies of head_dim {head_dim} x partial_rotary_factor {partial}"
+                )
+
+    scaling = {k: v for k, v in raw.items() if k not in _KNOWN_KEYS}
+    return RopeParameters(
+        model_type=fam.name,
+        rope_type=rope_type,
+        rope_theta=float(theta),
+        head_dim=int(head_dim),
+        rotary_dim=rotary_dim,
+        partial_rotary_factor=partial,
+        mrope_section=section,
+        mrope_interleaved=fam.mrope == "interleaved",
+        scaling=types.MappingProxyType(scaling),
+    )

@@ -1,0 +1,35 @@
+"""The tfcompat exception family.
+
+Every error subclasses both :class:`TfcompatError` and the builtin that callers
+already catch (``ImportError`` for a missing upstream capability, ``ValueError``
+for bad input), so existing ``except`` clauses keep working.
+
+Messages say what was found, what is supported and what to do.
+"""
+
+__all__ = [
+    "TfcompatError",
+    "UnsupportedTransformersError",
+    "RopeShapeError",
+    "ConfigError",
+]
+
+
+class TfcompatError(Exception):
+    """Base class of every error raised by tfcompat."""
+
+
+class UnsupportedTransformersError(TfcompatError, ImportError):
+    """The installed transformers (or the model asked for) is not covered.
+
+    The message names the installed transformers version, the supported range
+    and what to do.
+    """
+
+
+class RopeShapeError(TfcompatError, ValueError):
+    """Tensors handed to the rotary helpers do not have the layout this release uses."""
+
+
+class ConfigError(TfcompatError, ValueError):
+    """A model config lacks, or contradicts, a setting tfcompat needs to read."""
