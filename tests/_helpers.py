@@ -1,0 +1,51 @@
+"""Test helpers: the upstream oracle, read straight from the installed transformers."""
+
+import importlib
+import inspect
+
+import torch
+
+from tfcompat import _resolve
+from tfcompat._families import FAMILIES
+from tfcompat.config import text_config
+from tfcompat.testing import tiny_config
+
+# Tolerances from the dtype: fp32 results agree to a few ulp (FMA vs separate multiply-add);
+# bf16 to one rounding of the 8-bit mantissa (2**-8 relative) on values of order 1.
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2**-7, atol=2**-7)}
+
+
+def installed():
+    return _resolve.installed_families()
+
+
+def modeling(name):
+    return importlib.import_module(FAMILIES[name].modeling)
+
+
+def rotary(name, config=None):
+    fam = FAMILIES[name]
+    config = config if config is not None else tiny_config(name)
+    return getattr(modeling(name), fam.rotary)(config=text_config(config)), config
+
+
+def position_ids(name, batch, seq, generator):
+    """Real 3-row mRoPE ids for VL families (T, H, W differ), plain 2-D ids otherwise."""
+    if FAMILIES[name].vision:
+        return torch.randint(0, 64, (3, batch, seq), generator=generator)
+    return torch.randint(0, 64, (batch, seq), generator=generator)
+
+
+def upstream_rope(name, config):
+    """The rotary application the installed attention calls, found by reading its forward."""
+    fam = FAMILIES[name]
+    module = modeling(name)
+    body = inspect.getsource(inspect.unwrap(getattr(module, fam.attention).forward))
+    if "apply_multimodal_rotary_pos_emb" in body:
+        tc = text_config(config)
+        rope = tc.__dict__.get("rope_parameters") or tc.__dict__.get("rope_scaling")
+        section = rope["mrope_section"]
+        fn = module.apply_multimodal_rotary_pos_emb
+        return lambda q, k, c, s, unsqueeze_dim=1: fn(q, k, c, s, section, unsqueeze_dim=unsqueeze_dim)
+    fn = module.apply_rotary_pos_emb
+    return lambda q, k, c, s, unsqueeze_dim=1: fn(q, k, c, s, unsqueeze_dim=unsqueeze_dim)

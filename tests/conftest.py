@@ -1,0 +1,24 @@
+import os
+import warnings
+
+import pytest
+
+
+def pytest_sessionstart(session):
+    """Fail the whole run if tox handed us another transformers than the env declares."""
+    expected = os.environ.get("TFCOMPAT_EXPECT_TRANSFORMERS")
+    import importlib.metadata
+
+    installed = importlib.metadata.version("transformers")
+    torch_version = importlib.metadata.version("torch")
+    print(f"\ntfcompat tests: transformers {installed}, torch {torch_version}, expected {expected or '(any)'}")
+    if expected and expected != "latest" and installed != expected:
+        pytest.exit(f"tox env expects transformers {expected} but {installed} is installed", returncode=3)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_upstream_warnings():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        yield

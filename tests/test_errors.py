@@ -1,0 +1,86 @@
+"""Bad input gets the documented tfcompat error, with a message that says what to do."""
+
+import pytest
+import torch
+
+from tfcompat import _resolve
+from tfcompat._families import FAMILIES as SPECS
+from tfcompat.config import rope_parameters
+from tfcompat.errors import ConfigError, RopeShapeError, TfcompatError, UnsupportedTransformersError
+from tfcompat.rope import apply_rope
+from tfcompat.testing import tiny_config
+from tfcompat.version import transformers_version
+
+from _helpers import installed, position_ids, rotary
+
+FAMILIES = installed()
+
+
+def _cos(name, batch=1, seq=5):
+    rot, config = rotary(name)
+    cos, sin = rot(torch.zeros(1), position_ids(name, batch, seq, torch.Generator().manual_seed(0)))
+    head_dim = rope_parameters(config).head_dim
+    return config, cos, sin, torch.randn(batch, 2, seq, head_dim), torch.randn(batch, 1, seq, head_dim)
+
+
+def test_error_family():
+    assert issubclass(UnsupportedTransformersError, ImportError)
+    assert issubclass(RopeShapeError, ValueError) and issubclass(ConfigError, ValueError)
+    assert all(issubclass(e, TfcompatError) for e in (UnsupportedTransformersError, RopeShapeError, ConfigError))
+
+
+def test_unknown_model_type():
+    q = torch.zeros(1, 1, 1, 8)
+    with pytest.raises(UnsupportedTransformersError, match=r"does not cover model_type 'gpt2'; supported families: .*glm4v"):
+        apply_rope(q, q, torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), model_type="gpt2")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_wrong_cos_layout_for_this_release(name):
+    config, cos, sin, q, k = _cos(name)
+    rows = _resolve.resolve("rope.apply", name).plan.cos_rows
+    wrong_cos, wrong_sin = (cos[0], sin[0]) if rows == 3 else (cos.expand(3, *cos.shape), sin.expand(3, *sin.shape))
+    expected = r"\(3, batch, seq, dim\)" if rows == 3 else r"\(batch, seq, dim\)"
+    with pytest.raises(RopeShapeError, match=rf"apply_rope for {name}: cos has shape .* but transformers "
+                                             rf"{transformers_version()} returns {expected}"):
+        apply_rope(q, k, wrong_cos, wrong_sin, config=config)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_q_that_does_not_fit_cos(name):
+    config, cos, sin, q, k = _cos(name, seq=5)
+    with pytest.raises(RopeShapeError, match="q has shape"):
+        apply_rope(q[:, :, :4], k, cos, sin, config=config)
+    with pytest.raises(RopeShapeError, match="must be 4-D"):
+        apply_rope(q[0], k, cos, sin, config=config)
+
+
+@pytest.mark.parametrize("name", [n for n in FAMILIES if SPECS[n].mrope == "contiguous"])
+def test_sections_that_do_not_add_up(name):
+    config, cos, sin, q, k = _cos(name)
+    if _resolve.resolve("rope.apply", name).plan.cos_rows == 3:
+        with pytest.raises(RopeShapeError, match=r"mrope_section \[1, 1, 1\] must be 3 sections adding up"):
+            apply_rope(q, k, cos, sin, model_type=name, mrope_section=(1, 1, 1))
+        with pytest.raises(RopeShapeError, match="the mRoPE sections are needed; pass config= or mrope_section="):
+            apply_rope(q, k, cos, sin, model_type=name)
+    bad = tiny_config(name)
+    from tfcompat.config import text_config
+
+    tc = text_config(bad)
+    rope = tc.__dict__.get("rope_parameters") or tc.__dict__.get("rope_scaling")
+    rope["mrope_section"] = [1, 1, 1]
+    with pytest.raises(ConfigError, match=r"mrope_section \[1, 1, 1\] adds up to 3, but the rotary width is"):
+        rope_parameters(bad)
+
+
+def test_family_missing_from_this_release_names_the_version():
+    missing = [n for n in SPECS if n not in FAMILIES]
+    if not missing:
+        pytest.skip("every family ships with this release")
+    with pytest.raises(UnsupportedTransformersError, match=rf"transformers {transformers_version()} has no .*first ships"):
+        _resolve.resolve("rope.apply", missing[0])
+
+
+def test_config_without_model_type():
+    with pytest.raises(UnsupportedTransformersError, match="pass model_type="):
+        rope_parameters(object())

@@ -1,0 +1,70 @@
+"""Every capability resolves for every family the installed release ships."""
+
+import dataclasses
+import json
+
+import pytest
+from packaging.version import Version
+
+import tfcompat
+from tfcompat import _resolve
+from tfcompat._families import FAMILIES as SPECS
+from tfcompat.version import is_transformers_version_in_range, transformers_version
+
+from _helpers import installed
+
+
+def test_installed_families_follow_the_release():
+    have = set(installed())
+    assert {"llama", "qwen2", "qwen3", "glm", "glm4", "qwen2_vl", "qwen2_5_vl"} <= have
+    # model folders appear at known releases (transformers matrix §1)
+    assert ("glm4v" in have) == is_transformers_version_in_range("4.53.3")
+    assert ("qwen3_vl" in have) == is_transformers_version_in_range("4.57.0")
+    assert ("qwen3_5" in have) == is_transformers_version_in_range("5.2.0")
+
+
+def test_report_resolves_everything():
+    tfcompat.clear_cache()
+    records = tfcompat.report()
+    assert records, "report() returned nothing"
+    bad = [r for r in records if r.impl == "unsupported"]
+    assert not bad, bad
+    kinds = {r.capability.split(":")[0] for r in records}
+    assert {"rope.apply", "rope.init"} <= kinds
+    for r in records:
+        assert r.transformers == str(transformers_version())
+        assert r.reason and r.source.startswith("transformers.")
+        json.dumps(r.as_dict())
+
+
+def test_resolutions_are_cached_frozen_and_clearable():
+    first = _resolve.resolve("rope.apply", "qwen2_vl")
+    assert _resolve.resolve("rope.apply", "qwen2_vl_text") is first
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.impl = "x"
+    tfcompat.clear_cache()
+    again = _resolve.resolve("rope.apply", "qwen2_vl")
+    assert again is not first and again == first
+
+
+@pytest.mark.parametrize("name", installed())
+def test_rope_apply_probe_matches_the_api_matrix(name):
+    """The probes must land where the transformers API matrix says the API moved."""
+    plan = _resolve.resolve("rope.apply", name).plan
+    v = transformers_version()
+    if name in ("qwen2_vl", "qwen2_5_vl"):
+        assert plan.cos_rows == (3 if v < Version("5.17.0") else 0)
+    elif name in ("glm4v", "glm4v_moe"):
+        assert plan.cos_rows == (3 if v < Version("5.0.0") else 0)
+    else:
+        assert plan.cos_rows == 0
+    if name == "glm4v":
+        assert plan.gptj_cos == ("half" if v < Version("5.17.0") else "pairs")
+    if name in ("glm", "glm4"):
+        assert plan.gptj_cos == "half"
+    assert plan.rotation == SPECS[name].rotation
+
+
+def test_rope_init_probe():
+    plan = _resolve.resolve("rope.init", "llama").plan
+    assert plan.config_key == ("rope_parameters" if is_transformers_version_in_range("5.0.0") else "rope_scaling")

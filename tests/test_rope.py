@@ -1,0 +1,130 @@
+"""apply_rope against the installed transformers' own rotary application (the oracle)."""
+
+import pytest
+import torch
+
+from tfcompat.config import rope_parameters
+from tfcompat.rope import apply_rope, apply_rope_
+
+from _helpers import TOL, installed, position_ids, rotary, upstream_rope
+
+FAMILIES = installed()
+SHAPES = [(1, 1), (1, 7), (2, 33), (3, 65)]
+
+
+def _inputs(name, batch, seq, dtype, layout, seed):
+    g = torch.Generator().manual_seed(seed)
+    rot, config = rotary(name)
+    head_dim = rope_parameters(config).head_dim
+    pos = position_ids(name, batch, seq, g)
+    x = torch.zeros(1, dtype=dtype)
+    cos, sin = rot(x, pos)
+    shape_q = (batch, 4, seq, head_dim) if layout == 1 else (batch, seq, 4, head_dim)
+    shape_k = (batch, 2, seq, head_dim) if layout == 1 else (batch, seq, 2, head_dim)
+    q = torch.randn(shape_q, generator=g).to(dtype)
+    k = torch.randn(shape_k, generator=g).to(dtype)
+    return config, cos, sin, q, k, g
+
+
+def _grads(fn, q, k, gq, gk):
+    q = q.detach().clone().requires_grad_(True)
+    k = k.detach().clone().requires_grad_(True)
+    oq, ok = fn(q * 1, k * 1)  # a fresh non-leaf, as a projection output is
+    torch.autograd.backward((oq, ok), (gq, gk))
+    return oq.detach(), ok.detach(), q.grad, k.grad
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch,seq", SHAPES)
+@pytest.mark.parametrize("layout", [1, 2], ids=["bhsd", "bshd"])
+def test_apply_rope_matches_upstream_forward_and_backward(name, dtype, batch, seq, layout):
+    config, cos, sin, q, k, g = _inputs(name, batch, seq, dtype, layout, seed=seq * 31 + batch)
+    oracle = upstream_rope(name, config)
+    gq = torch.randn(q.shape, generator=g).to(dtype)
+    gk = torch.randn(k.shape, generator=g).to(dtype)
+    want = _grads(lambda a, b: oracle(a, b, cos, sin, unsqueeze_dim=layout), q, k, gq, gk)
+    candidates = {
+        "native": lambda a, b: apply_rope(a, b, cos, sin, config=config, unsqueeze_dim=layout, impl="native"),
+        "upstream": lambda a, b: apply_rope(a, b, cos, sin, config=config, unsqueeze_dim=layout, impl="upstream"),
+        "inplace": lambda a, b: apply_rope_(a, b, cos, sin, config=config, unsqueeze_dim=layout),
+    }
+    for impl, fn in candidates.items():
+        got = _grads(fn, q, k, gq, gk)
+        for label, w, h in zip(("q", "k", "dq", "dk"), want, got):
+            assert h.dtype == w.dtype and h.shape == w.shape, (impl, label)
+            torch.testing.assert_close(h, w, **TOL[dtype], msg=lambda m: f"{name} {impl} {label}: {m}")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_model_type_and_explicit_section_give_the_same_result(name):
+    config, cos, sin, q, k, _ = _inputs(name, 2, 9, torch.float32, 1, seed=3)
+    by_config = apply_rope(q, k, cos, sin, config=config)
+    section = rope_parameters(config).mrope_section
+    by_name = apply_rope(q, k, cos, sin, model_type=name, mrope_section=section)
+    for a, b in zip(by_config, by_name):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_rope_really_rotates(name):
+    """Guard against a vacuous oracle: positions matter and norms are kept."""
+    config, cos, sin, q, k, _ = _inputs(name, 1, 17, torch.float32, 1, seed=5)
+    oq, ok = apply_rope(q, k, cos, sin, config=config)
+    assert not torch.allclose(oq, q)
+    torch.testing.assert_close(oq.norm(dim=-1), q.norm(dim=-1))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_inplace_really_writes_into_q_and_k(name):
+    config, cos, sin, q, k, _ = _inputs(name, 1, 5, torch.float32, 1, seed=9)
+    q0, k0 = q.clone(), k.clone()
+    oq, ok = apply_rope_(q, k, cos, sin, config=config)
+    assert oq.data_ptr() == q.data_ptr() and ok.data_ptr() == k.data_ptr()
+    want = apply_rope(q0, k0, cos, sin, config=config)
+    torch.testing.assert_close(q, want[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(k, want[1], rtol=1e-5, atol=1e-6)
+
+
+def test_random_shapes_property():
+    """Property-based: odd head counts, lengths and batch sizes, native vs upstream, fp32."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+    names = FAMILIES
+
+    @hypothesis.settings(max_examples=25, deadline=None, derandomize=True)
+    @hypothesis.given(name=st.sampled_from(names), batch=st.integers(1, 3), seq=st.integers(1, 40),
+                      heads=st.integers(1, 5), seed=st.integers(0, 2**16))
+    def check(name, batch, seq, heads, seed):
+        g = torch.Generator().manual_seed(seed)
+        rot, config = rotary(name)
+        head_dim = rope_parameters(config).head_dim
+        cos, sin = rot(torch.zeros(1), position_ids(name, batch, seq, g))
+        q = torch.randn(batch, heads, seq, head_dim, generator=g)
+        k = torch.randn(batch, 1, seq, head_dim, generator=g)
+        want = upstream_rope(name, config)(q, k, cos, sin)
+        got = apply_rope(q, k, cos, sin, config=config, impl="native")
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+    check()
+
+
+def test_impl_env_variable(monkeypatch):
+    name = FAMILIES[0]
+    config, cos, sin, q, k, _ = _inputs(name, 1, 4, torch.float32, 1, seed=1)
+    monkeypatch.setenv("TFCOMPAT_ROPE_IMPL", "upstream")
+    apply_rope(q, k, cos, sin, config=config)
+    monkeypatch.setenv("TFCOMPAT_ROPE_IMPL", "fastest")
+    with pytest.raises(ValueError, match="TFCOMPAT_ROPE_IMPL='fastest' is not one of auto, native, upstream"):
+        apply_rope(q, k, cos, sin, config=config)
+
+
+def test_cos_requiring_grad_falls_back_to_autograd():
+    name = FAMILIES[-1]
+    config, cos, sin, q, k, _ = _inputs(name, 1, 6, torch.float32, 1, seed=2)
+    cos = cos.clone().requires_grad_(True)
+    oq, ok = apply_rope(q, k, cos, sin, config=config)
+    (oq.sum() + ok.sum()).backward()
+    want_q, _ = upstream_rope(name, config)(q, k, cos.detach(), sin)
+    torch.testing.assert_close(oq.detach(), want_q, **TOL[torch.float32])
+    assert cos.grad is not None and cos.grad.abs().sum() > 0
