@@ -1,0 +1,113 @@
+"""The command as a user runs it: subprocesses, exit codes, JSON schema."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _helpers import installed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*args, cwd=None, timeout=300):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "tfcompat", *args], capture_output=True, text=True,
+                          cwd=cwd or ROOT, env=env, timeout=timeout)
+
+
+@pytest.mark.parametrize("command", [[], ["report"], ["check"], ["vendor"]])
+def test_help(command):
+    out = run(*command, "--help")
+    assert out.returncode == 0 and "usage: tfcompat" in out.stdout
+
+
+def test_report_json_schema():
+    out = run("report", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["schema"] == 1 and doc["error"] is None
+    assert {"tfcompat", "python", "torch", "transformers", "flash_attn", "supported_range", "families",
+            "resolutions"} <= set(doc)
+    assert set(doc["families"]) == set(installed())
+    caps = {r["capability"] for r in doc["resolutions"]}
+    assert {f"rope.apply:{n}" for n in installed()} <= caps
+    for r in doc["resolutions"]:
+        assert set(r) == {"capability", "impl", "source", "reason", "transformers", "plan"}
+
+
+def test_report_text():
+    out = run("report")
+    assert out.returncode == 0
+    assert "transformers" in out.stdout and "rope.apply:qwen2_vl" in out.stdout
+
+
+def test_check_all_families_json():
+    out = run("check", "--json")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    doc = json.loads(out.stdout)
+    assert doc["passed"] is True and set(doc["families"]) == set(installed())
+    for r in doc["results"]:
+        assert set(r) == {"family", "check", "max_abs_diff", "tolerance", "passed", "seconds", "error"}
+        assert r["passed"] and r["max_abs_diff"] <= r["tolerance"]
+
+
+def test_check_text_table_and_summary():
+    out = run("check", "--family", "qwen2_vl")
+    assert out.returncode == 0
+    assert "rope.native.fp32" in out.stdout and out.stdout.strip().splitlines()[-1].startswith("4 passed, 0 failed")
+
+
+def test_check_fails_on_a_wrong_tolerance():
+    out = run("check", "--family", "qwen2_vl", "--tolerance", "-1")
+    assert out.returncode == 1
+    assert "FAIL" in out.stdout and "0 passed, 4 failed" in out.stdout
+
+
+def test_check_unknown_family():
+    out = run("check", "--family", "gpt2")
+    assert out.returncode == 2
+    assert "does not cover model_type 'gpt2'" in out.stderr
+
+
+def test_vendor_refuses_foreign_folder_and_symlinks(tmp_path):
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "keep.txt").write_text("mine")
+    out = run("vendor", str(foreign))
+    assert out.returncode == 2 and "is not an earlier tfcompat copy" in out.stderr
+    assert sorted(os.listdir(foreign)) == ["keep.txt"]
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(outside)
+    out = run("vendor", str(link))
+    assert out.returncode == 2 and "symlink" in out.stderr
+    assert os.listdir(outside) == []
+
+    # a symlinked subfolder inside an earlier copy would make writes escape DEST
+    dest = tmp_path / "copy"
+    assert run("vendor", str(dest)).returncode == 0
+    import shutil
+
+    shutil.rmtree(dest / "_kernels")
+    (dest / "_kernels").symlink_to(outside)
+    out = run("vendor", str(dest))
+    assert out.returncode == 2 and "escape" in out.stderr
+    assert os.listdir(outside) == []
+
+
+def test_vendor_overwrites_an_earlier_copy_and_force(tmp_path):
+    dest = tmp_path / "v" / "tfcompat"
+    out = run("vendor", str(dest))
+    assert out.returncode == 0 and "copied tfcompat" in out.stdout
+    assert (dest / "VENDORED").read_text().startswith("tfcompat ")
+    assert run("vendor", str(dest)).returncode == 0
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "x").write_text("x")
+    assert run("vendor", str(foreign), "--force").returncode == 0
+    assert (foreign / "x").exists() and (foreign / "rope.py").exists()

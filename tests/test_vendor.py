@@ -1,0 +1,59 @@
+"""Vendorability: relative imports only, and a copy under another name runs a full family check."""
+
+import ast
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "tfcompat"
+
+
+def test_no_module_imports_the_package_absolutely():
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                # dotted strings handed to importlib would name the package too
+                names = [node.value] if node.value.startswith("tfcompat.") and " " not in node.value else []
+            offenders += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names
+                          if n == "tfcompat" or n.startswith("tfcompat.")]
+    assert not offenders, offenders
+
+
+def test_version_is_a_literal():
+    init = (PACKAGE / "__init__.py").read_text()
+    assert "importlib.metadata" not in init and '__version__ = "' in init
+
+
+def test_vendored_copy_runs_a_family_check(tmp_path):
+    dest = tmp_path / "myproj" / "_vendor" / "tfcompat"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-m", "tfcompat", "vendor", str(dest)], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    (tmp_path / "myproj" / "__init__.py").write_text("")
+    (tmp_path / "myproj" / "_vendor" / "__init__.py").write_text("")
+    code = (
+        "import sys\n"
+        "from myproj._vendor import tfcompat as t\n"
+        "from myproj._vendor.tfcompat import _cli, rope, config\n"
+        "assert t.__file__.startswith(sys.argv[1]), t.__file__\n"
+        "rc = _cli.main(['check', '--family', 'qwen2_5_vl'])\n"
+        "leaked = [m for m in sys.modules if m == 'tfcompat' or m.startswith('tfcompat.')]\n"
+        "assert not leaked, leaked\n"
+        "sys.exit(rc)\n"
+    )
+    # run from tmp_path with a clean PYTHONPATH: the original package is not importable there
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "4 passed, 0 failed" in out.stdout

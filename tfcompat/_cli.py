@@ -1,0 +1,198 @@
+"""The ``tfcompat`` command: ``report``, ``check`` and ``vendor``.
+
+JSON output (``--json``) is versioned by its ``"schema"`` key (currently 1); keys are only
+ever added within a schema version.
+"""
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+
+from . import __version__
+
+SCHEMA = 1
+_PROG = "tfcompat"
+
+
+def _dist_version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# ----------------------------------------------------------------------------- report
+def _report(args):
+    from . import _resolve, version
+
+    doc = {
+        "schema": SCHEMA,
+        "tfcompat": __version__,
+        "python": platform.python_version(),
+        "torch": _dist_version("torch"),
+        "transformers": _dist_version("transformers"),
+        "flash_attn": _dist_version("flash-attn") or _dist_version("flash_attn"),
+        "supported_range": [version.MIN_TRANSFORMERS, version.TESTED_MAX_TRANSFORMERS],
+        "families": [],
+        "resolutions": [],
+        "error": None,
+    }
+    try:
+        version.require_supported_transformers("tfcompat report")
+        doc["families"] = _resolve.installed_families()
+        doc["resolutions"] = [r.as_dict() for r in _resolve.report()]
+        if version.transformers_version() > version._normalize(version.TESTED_MAX_TRANSFORMERS):
+            doc["note"] = (f"transformers {doc['transformers']} is newer than the newest tested release "
+                           f"{version.TESTED_MAX_TRANSFORMERS}; every choice below comes from probes")
+    except Exception as exc:  # the report must still print what it knows
+        doc["error"] = f"{type(exc).__name__}: {exc}"
+    if args.json:
+        print(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        print(f"tfcompat {doc['tfcompat']}  python {doc['python']}  torch {doc['torch']}  "
+              f"transformers {doc['transformers']}  flash-attn {doc['flash_attn'] or '-'}")
+        print(f"supported transformers: {doc['supported_range'][0]} .. {doc['supported_range'][1]} (newer: probed)")
+        if doc.get("note"):
+            print("note:", doc["note"])
+        rows = [("capability", "impl", "source", "reason")]
+        for r in doc["resolutions"]:
+            rows.append((r["capability"], r["impl"], r["source"], r["reason"]))
+        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        for row in rows:
+            print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:3])) + "  " + row[3])
+        if doc["error"]:
+            print("error:", doc["error"])
+    return 1 if doc["error"] or any(r["impl"] == "unsupported" for r in doc["resolutions"]) else 0
+
+
+# ------------------------------------------------------------------------------ check
+def _check(args):
+    from . import _checks, _resolve, version
+
+    try:
+        version.require_supported_transformers("tfcompat check")
+        installed = _resolve.installed_families()
+        names = installed if not args.family else [_resolve._family(f).name for f in args.family]
+    except Exception as exc:
+        return _check_fail(args, f"{type(exc).__name__}: {exc}")
+    missing = [n for n in names if n not in installed]
+    if missing:
+        return _check_fail(args, f"transformers {_dist_version('transformers')} does not ship "
+                                 f"{', '.join(missing)}; installed families: {', '.join(installed)}")
+    results = []
+    start = time.perf_counter()
+    for name in names:
+        for result in _checks.run_family(name, tolerance=args.tolerance):
+            results.append(result)
+            if not args.json:
+                mark = "ok  " if result["passed"] else "FAIL"
+                print(f"  [{mark}] {name:<13} {result['check']:<22} max|diff| {result['max_abs_diff']:<10.3g} "
+                      f"tol {result['tolerance']:<8.2g} {result['seconds']:6.2f}s"
+                      + (f"  {result['error']}" if result["error"] else ""), flush=True)
+    passed = all(r["passed"] for r in results) and bool(results)
+    doc = {"schema": SCHEMA, "tfcompat": __version__, "transformers": _dist_version("transformers"),
+           "torch": _dist_version("torch"), "families": names, "results": results, "passed": passed,
+           "seconds": round(time.perf_counter() - start, 3)}
+    if args.json:
+        print(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        failed = sum(not r["passed"] for r in results)
+        print(f"{len(results) - failed} passed, {failed} failed ({len(names)} families, "
+              f"transformers {doc['transformers']}, {doc['seconds']:.1f}s)")
+    return 0 if passed else 1
+
+
+def _check_fail(args, message):
+    if args.json:
+        print(json.dumps({"schema": SCHEMA, "passed": False, "error": message, "results": []}, indent=2))
+    else:
+        print(f"{_PROG} check: {message}", file=sys.stderr)
+    return 2
+
+
+# ----------------------------------------------------------------------------- vendor
+_MARKER = "VENDORED"
+
+
+def _vendor(args):
+    source = os.path.dirname(os.path.abspath(__file__))
+    dest = os.path.abspath(args.dest)
+    if os.path.islink(args.dest.rstrip(os.sep)) or os.path.islink(dest):
+        print(f"{_PROG} vendor: {args.dest} is a symlink; refusing to write through it", file=sys.stderr)
+        return 2
+    if os.path.commonpath([source, dest]) in (source, dest):
+        print(f"{_PROG} vendor: {dest} overlaps the package being copied ({source})", file=sys.stderr)
+        return 2
+    if os.path.exists(dest):
+        if not os.path.isdir(dest):
+            print(f"{_PROG} vendor: {dest} exists and is not a folder", file=sys.stderr)
+            return 2
+        earlier = os.path.isfile(os.path.join(dest, _MARKER))
+        if os.listdir(dest) and not earlier and not args.force:
+            print(f"{_PROG} vendor: {dest} exists and is not an earlier tfcompat copy (no {_MARKER} file); "
+                  f"pass --force to copy into it anyway", file=sys.stderr)
+            return 2
+    written = []
+    for root, dirs, files in os.walk(source, followlinks=False):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not os.path.islink(os.path.join(root, d)))
+        rel = os.path.relpath(root, source)
+        target_dir = os.path.normpath(os.path.join(dest, rel))
+        for name in sorted(files):
+            src = os.path.join(root, name)
+            if os.path.islink(src) or name.endswith((".pyc", ".pyo")):
+                continue
+            target = os.path.join(target_dir, name)
+            if not _inside(dest, target):
+                print(f"{_PROG} vendor: {target} would escape {dest}; nothing more written", file=sys.stderr)
+                return 2
+            os.makedirs(target_dir, exist_ok=True)
+            if os.path.islink(target):
+                print(f"{_PROG} vendor: {target} is a symlink; refusing to write through it", file=sys.stderr)
+                return 2
+            shutil.copyfile(src, target)
+            written.append(os.path.relpath(target, dest))
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    with open(os.path.join(dest, _MARKER), "w") as fh:
+        fh.write(f"tfcompat {__version__}\nvendored {stamp}\nfrom {source}\n"
+                 f"Import it relatively (from ._vendor import tfcompat); do not edit: re-run `tfcompat vendor`.\n")
+    print(f"copied tfcompat {__version__} ({len(written)} files) into {dest}; wrote {os.path.join(dest, _MARKER)}")
+    return 0
+
+
+def _inside(root, path):
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)
+    return os.path.commonpath([real_root, real]) == real_root
+
+
+# ------------------------------------------------------------------------------- main
+def build_parser():
+    parser = argparse.ArgumentParser(prog=_PROG, description="Keep GLM/Qwen VLM training code correct across "
+                                                             "transformers releases.")
+    parser.add_argument("--version", action="version", version=f"tfcompat {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("report", help="versions and every resolver decision for the installed transformers")
+    p.add_argument("--json", action="store_true", help="machine-readable output (schema 1)")
+    p.set_defaults(func=_report)
+    p = sub.add_parser("check", help="compare tfcompat against upstream on tiny random models, forward and backward")
+    p.add_argument("--family", action="append", metavar="NAME", help="check only this family (repeatable)")
+    p.add_argument("--json", action="store_true", help="machine-readable output (schema 1)")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="override every check's absolute tolerance (a self-test of the failure path)")
+    p.set_defaults(func=_check)
+    p = sub.add_parser("vendor", help="copy the package into DEST (e.g. myproj/_vendor/tfcompat)")
+    p.add_argument("dest", metavar="DEST")
+    p.add_argument("--force", action="store_true", help="copy into a folder that is not an earlier tfcompat copy")
+    p.set_defaults(func=_vendor)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    return args.func(args)
