@@ -68,3 +68,18 @@ def test_rope_apply_probe_matches_the_api_matrix(name):
 def test_rope_init_probe():
     plan = _resolve.resolve("rope.init", "llama").plan
     assert plan.config_key == ("rope_parameters" if is_transformers_version_in_range("5.0.0") else "rope_scaling")
+
+
+def test_every_config_model_type_of_the_release_maps_to_its_family():
+    """Text configs carry odd spellings ('Glm4vMoe_text' in 4.5x); the lookup must accept them."""
+    import importlib
+
+    from tfcompat._families import family
+
+    for name in installed():
+        spec = SPECS[name]
+        module = importlib.import_module(spec.configuration)
+        for cls_name in (spec.config_class, spec.text_config_class):
+            cls = getattr(module, cls_name, None)
+            if cls is not None:
+                assert family(cls.model_type).name == name, (cls_name, cls.model_type)

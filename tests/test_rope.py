@@ -128,3 +128,49 @@ def test_cos_requiring_grad_falls_back_to_autograd():
     want_q, _ = upstream_rope(name, config)(q, k, cos.detach(), sin)
     torch.testing.assert_close(oq.detach(), want_q, **TOL[torch.float32])
     assert cos.grad is not None and cos.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", [n for n in ("qwen2_vl", "glm4v", "qwen3_5") if n in FAMILIES])
+def test_inplace_on_projection_views_backpropagates_into_weights(name):
+    """The bundled attention rotates `proj(x).view(b, s, h, d).transpose(1, 2)` in place."""
+    config, cos, sin, q, k, g = _inputs(name, 2, 11, torch.float32, 1, seed=4)
+    b, h, s, d = q.shape
+    x = torch.randn(b, s, 8, generator=g)
+    w = torch.randn(8, h * d, generator=g, requires_grad=True)
+    wk = torch.randn(8, k.shape[1] * d, generator=g, requires_grad=True)
+    grads = []
+    for fn in (lambda a, c: upstream_rope(name, config)(a, c, cos, sin),
+               lambda a, c: apply_rope_(a, c, cos, sin, config=config)):
+        qv = (x @ w).view(b, s, h, d).transpose(1, 2)
+        kv = (x @ wk).view(b, s, -1, d).transpose(1, 2)
+        oq, ok = fn(qv, kv)
+        w.grad = wk.grad = None
+        ((oq * oq.detach().sin()).sum() + (ok * 3).sum()).backward()
+        grads.append((oq.detach(), w.grad.clone(), wk.grad.clone()))
+    for want, got in zip(*grads):
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("name", [n for n in ("qwen2_vl", "glm4v", "qwen3_vl") if n in FAMILIES])
+def test_torch_compile_fullgraph(name):
+    import tfcompat
+    from tfcompat.errors import TfcompatError
+    from tfcompat.rope import prepare
+
+    config, cos, sin, q, k, g = _inputs(name, 1, 9, torch.float32, 1, seed=6)
+    tfcompat.clear_cache()
+    cold = torch.compile(lambda a, b, c, s: apply_rope(a, b, c, s, config=config), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match=r"call tfcompat.rope.prepare\("):
+        cold(q, k, cos, sin)
+    torch._dynamo.reset()
+    prepare(config)
+    fn = torch.compile(lambda a, b, c, s: apply_rope(a, b, c, s, config=config), fullgraph=True, backend="aot_eager")
+    qq = q.clone().requires_grad_(True)
+    got = fn(qq, k, cos, sin)
+    got[0].sum().backward()
+    want = upstream_rope(name, config)(q, k, cos, sin)
+    torch.testing.assert_close(got[0].detach(), want[0], **TOL[torch.float32])
+    torch.testing.assert_close(got[1], want[1], **TOL[torch.float32])
+    ref = q.clone().requires_grad_(True)
+    upstream_rope(name, config)(ref, k, cos, sin)[0].sum().backward()
+    torch.testing.assert_close(qq.grad, ref.grad, **TOL[torch.float32])

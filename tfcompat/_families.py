@@ -72,7 +72,7 @@ FAMILIES = {
                config_class="Glm4vConfig", text_config_class="Glm4vTextConfig"),
         Family("glm4v_moe", "glm4v_moe", "Glm4vMoe", "Glm4vMoeTextAttention", "Glm4vMoeTextRotaryEmbedding",
                "neox", mrope="contiguous", default_mrope_section=(8, 12, 12), reads_partial_rotary=True,
-               aliases=("glm4v_moe_text", "glm4_5v"), since="4.56.0", vision=True,
+               aliases=("glm4v_moe_text", "glm4vmoe_text", "glm4vmoe", "glm4_5v"), since="4.56.0", vision=True,
                config_class="Glm4vMoeConfig", text_config_class="Glm4vMoeTextConfig"),
         Family("qwen3_vl", "qwen3_vl", "Qwen3VL", "Qwen3VLTextAttention", "Qwen3VLTextRotaryEmbedding", "neox",
                mrope="interleaved", default_mrope_section=(24, 20, 20), aliases=("qwen3_vl_text",),

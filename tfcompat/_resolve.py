@@ -15,11 +15,12 @@ import importlib
 import importlib.util
 import inspect
 import re
+import sys
 import threading
 
 from . import version as _version
 from ._families import FAMILIES, family as _family
-from .errors import UnsupportedTransformersError
+from .errors import TfcompatError, UnsupportedTransformersError
 
 __all__ = ["Resolution", "resolve", "report", "clear_cache", "installed_families"]
 
@@ -201,6 +202,15 @@ def resolve(kind, family):
     """The cached :class:`Resolution` of ``kind`` (e.g. ``"rope.apply"``) for ``family``."""
     fam = _family(family)
     capability = f"{kind}:{fam.name}"
+    hit = _cache.get(capability)  # lock-free hot path (and traceable by torch.compile)
+    if hit is not None:
+        return hit
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.compiler.is_compiling():
+        raise TfcompatError(
+            f"{capability} is first needed inside torch.compile, where transformers cannot be probed; "
+            f"call tfcompat.rope.prepare({fam.name!r}) (or tfcompat.patch(model)) before compiling"
+        )
     with _lock:
         hit = _cache.get(capability)
         if hit is not None:

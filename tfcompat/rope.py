@@ -29,9 +29,19 @@ from . import _resolve
 from ._families import family as _family
 from .errors import RopeShapeError
 
-__all__ = ["apply_rope", "apply_rope_", "IMPLS"]
+__all__ = ["apply_rope", "apply_rope_", "prepare", "IMPLS"]
 
 IMPLS = ("auto", "native", "upstream")
+
+
+def prepare(config_or_model_type):
+    """Resolve everything apply_rope needs for a family now, e.g. before ``torch.compile``.
+
+    Returns the :class:`Resolution` of ``rope.apply`` for the family.
+    """
+    fam = _family(config_or_model_type)
+    _resolve.resolve("rope.init", fam.name)
+    return _resolve.resolve("rope.apply", fam.name)
 
 
 def _impl(impl):
@@ -110,6 +120,12 @@ def _prepare(q, k, cos, sin, config, model_type, mrope_section, unsqueeze_dim):
     return fam, res, seq_dim
 
 
+def _compiling():
+    import torch
+
+    return torch.compiler.is_compiling()
+
+
 def _native(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace):
     from ._kernels import rope as kernels
 
@@ -119,11 +135,15 @@ def _native(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace):
         sin = kernels.fold_contiguous(sin, section)
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
-    trig, rd = kernels.trig_parts(cos, sin, plan.rotation, plan.gptj_cos)
-    if trig[0].dtype != q.dtype:
-        trig = tuple(t.to(q.dtype) for t in trig)
-    return (kernels.rotate(q, trig, plan.rotation, rd, seq_dim, inplace=inplace),
-            kernels.rotate(k, trig, plan.rotation, rd, seq_dim, inplace=inplace))
+    if cos.dtype != q.dtype:
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+    if _compiling():
+        # under torch.compile the plain formula is traced and fused by the compiler
+        trig = kernels.Trig(cos, sin, plan.rotation, plan.gptj_cos, probe_pairs=False)
+        return kernels.composite(q, trig), kernels.composite(k, trig)
+    trig = kernels.Trig(cos, sin, plan.rotation, plan.gptj_cos)
+    return (kernels.rotate(q, cos, sin, trig, seq_dim, inplace=inplace),
+            kernels.rotate(k, cos, sin, trig, seq_dim, inplace=inplace))
 
 
 def apply_rope(q, k, cos, sin, *, config=None, model_type=None, mrope_section=None, unsqueeze_dim=1, impl=None):

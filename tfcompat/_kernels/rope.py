@@ -1,7 +1,7 @@
 """Native rotary kernels: every convention apply_rope covers, with an analytic backward.
 
 Notation, for one tensor ``x`` of rotary width ``rd`` (the leading ``rd`` channels of the
-last dim; the rest passes through):
+last dim; the rest passes through untouched):
 
     a, b = the two rotated parts of x:
         "neox": a = x[..., :rd/2],   b = x[..., rd/2:rd]   (GPT-NeoX halves, ``rotate_half``)
@@ -9,26 +9,27 @@ last dim; the rest passes through):
     out_a = a * c1 - b * s1
     out_b = b * c2 + a * s2
 
-which is exactly ``x * cos + rotate(x) * sin`` of the upstream functions, with (c1, s1)
-and (c2, s2) the parts of cos/sin that meet a and b. The backward is the inverse
-rotation, so nothing of size x is saved:
+which is ``x * cos + rotate(x) * sin`` of the upstream functions, with (c1, s1) and
+(c2, s2) the parts of cos/sin that meet a and b. The backward is the inverse rotation,
+so nothing of the size of x is saved:
 
     da = ga * c1 + gb * s2
     db = gb * c2 - ga * s1
 
-The work runs in slices along the sequence so that each slice's intermediates stay in
-cache: the tensor crosses memory about once per direction, not once per elementwise op.
+GPT-J pairs with c1 == c2 and s1 == s2 (always, for cos/sin from a rotary module) are a
+complex multiplication by ``c + i s``: one pass over memory (fp32/fp64), or three
+in-cache passes through fp32 for bf16/fp16.
+
+Every kernel walks the sequence in slices of ~64k elements so that a slice's
+intermediates stay in L2: the big tensor crosses main memory about once per direction
+instead of once per elementwise op. Output allocation (page faults of fresh memory) is
+the rest of the cost; the in-place variant has none.
 """
 
 import torch
 
-# Elements of x handled per slice: big enough to amortize dispatch, small enough for L2.
-_SLICE_ELEMENTS = 1 << 18
-
-
-def _slices(length, per_row):
-    step = max(1, _SLICE_ELEMENTS // max(1, per_row))
-    return [(i, min(i + step, length)) for i in range(0, length, step)]
+# Elements of x per slice: a slice of x, of the output and one temporary fit in a 2 MiB L2.
+_SLICE_ELEMENTS = 1 << 16
 
 
 def _parts(x, rotation, rd):
@@ -38,108 +39,135 @@ def _parts(x, rotation, rd):
     return x[..., 0:rd:2], x[..., 1:rd:2]
 
 
-def _rotate_into(out_a, out_b, a, b, c1, s1, c2, s2):
-    torch.mul(a, c1, out=out_a)
-    out_a.addcmul_(b, s1, value=-1)
-    torch.mul(b, c2, out=out_b)
-    out_b.addcmul_(a, s2)
+def _complex_view(x, rd):
+    return torch.view_as_complex(x[..., :rd].unflatten(-1, (rd // 2, 2)))
 
 
-def _run(x, out, trig, rotation, rd, seq_dim, inverse=False):
-    """Rotate ``x`` into ``out`` (may be ``x`` itself), slice by slice along ``seq_dim``."""
-    c1, s1, c2, s2 = trig
+class Trig:
+    """cos/sin prepared once per call: broadcastable to x, split into the parts each kernel needs."""
+
+    def __init__(self, cos, sin, rotation, gptj_cos, probe_pairs=True):
+        # cos, sin: folded and unsqueezed, e.g. (b, 1, s, rd); same dtype as x
+        self.rotation = rotation
+        self.rd = cos.shape[-1]
+        if rotation == "neox":
+            h = self.rd // 2
+            self.parts = (cos[..., :h], sin[..., :h], cos[..., h:], sin[..., h:])
+        elif gptj_cos == "half":
+            # upstream: cos[..., :rd/2].repeat_interleave(2), so pair i meets cos[i]
+            c, s = cos[..., : self.rd // 2], sin[..., : self.rd // 2]
+            self.parts = (c, s, c, s)
+        else:
+            self.parts = (cos[..., 0::2], sin[..., 0::2], cos[..., 1::2], sin[..., 1::2])
+        c1, s1, c2, s2 = self.parts
+        self.freqs = None
+        if rotation == "gptj" and probe_pairs and (c1 is c2 or (torch.equal(c1, c2) and torch.equal(s1, s2))):
+            self.freqs = torch.complex(c1.float(), s1.float()) if c1.dtype != torch.float64 else torch.complex(c1, s1)
+        self._inverse = None
+
+    def inverse(self):
+        if self._inverse is None:
+            inv = Trig.__new__(Trig)
+            inv.rotation, inv.rd, inv._inverse = self.rotation, self.rd, self
+            c1, s1, c2, s2 = self.parts
+            # da = ga*c1 + gb*s2 ; db = gb*c2 - ga*s1: the forward kernel with s1 <- -s2, s2 <- -s1
+            inv.parts = (c1, -s2, c2, -s1)
+            inv.freqs = None if self.freqs is None else self.freqs.conj().resolve_conj()
+            self._inverse = inv
+        return self._inverse
+
+
+def _narrow(t, dim, lo, n):
+    return t if t.shape[dim] == 1 else t.narrow(dim, lo, n)
+
+
+def _run(x, out, trig, seq_dim):
+    """Rotate x into out (out may be x), slice by slice along seq_dim."""
+    rd, rotation = trig.rd, trig.rotation
     length = x.shape[seq_dim]
-    per_row = x.numel() // max(1, length)
-    for lo, hi in _slices(length, per_row):
-        xs = x.narrow(seq_dim, lo, hi - lo)
-        os_ = out.narrow(seq_dim, lo, hi - lo)
-        parts = [t.narrow(seq_dim, lo, hi - lo) if t.shape[seq_dim] != 1 else t for t in (c1, s1, c2, s2)]
+    step = max(1, _SLICE_ELEMENTS // max(1, x.numel() // max(1, length)))
+    inplace = out is x
+    fast = trig.freqs is not None
+    native_complex = fast and x.dtype in (torch.float32, torch.float64)
+    for lo in range(0, length, step):
+        n = min(step, length - lo)
+        xs, os_ = x.narrow(seq_dim, lo, n), out.narrow(seq_dim, lo, n)
+        if not inplace and rd < x.shape[-1]:
+            os_[..., rd:].copy_(xs[..., rd:])
+        if native_complex:
+            f = _narrow(trig.freqs, seq_dim, lo, n)
+            torch.mul(_complex_view(xs, rd), f, out=_complex_view(os_, rd))
+            continue
+        if fast:
+            # bf16/fp16 pairs: through fp32 in cache (one rounding instead of upstream's three)
+            t = xs[..., :rd].float()
+            _complex_view(t, rd).mul_(_narrow(trig.freqs, seq_dim, lo, n))
+            os_[..., :rd].copy_(t)
+            continue
+        c1, s1, c2, s2 = (_narrow(p, seq_dim, lo, n) for p in trig.parts)
         a, b = _parts(xs, rotation, rd)
         oa, ob = _parts(os_, rotation, rd)
-        if out is x:
+        if inplace:
             a = a.clone()  # out_b needs the old a after out_a overwrote it
-        if inverse:
-            pc1, ps1, pc2, ps2 = parts
-            # da = ga*c1 + gb*s2 ; db = gb*c2 - ga*s1  (the same kernel with (s1, s2) swapped and negated)
-            _rotate_into(oa, ob, a, b, pc1, -ps2, pc2, -ps1)
-        else:
-            _rotate_into(oa, ob, a, b, *parts)
-        if out is not x and rd < x.shape[-1]:
-            os_[..., rd:].copy_(xs[..., rd:])
-
-
-def trig_parts(cos, sin, rotation, gptj_cos):
-    """(c1, s1, c2, s2) and the rotary width for folded, unsqueezed cos/sin."""
-    if rotation == "neox":
-        rd = cos.shape[-1]
-        half = rd // 2
-        return (cos[..., :half], sin[..., :half], cos[..., half:], sin[..., half:]), rd
-    if gptj_cos == "half":
-        # upstream: cos[..., :rd/2].repeat_interleave(2); pair i meets cos[i]
-        rd = cos.shape[-1]
-        c, s = cos[..., : rd // 2], sin[..., : rd // 2]
-        return (c, s, c, s), rd
-    rd = cos.shape[-1]
-    return (cos[..., 0::2], sin[..., 0::2], cos[..., 1::2], sin[..., 1::2]), rd
+        torch.mul(a, c1, out=oa)
+        oa.addcmul_(b, s1, value=-1)
+        torch.mul(b, c2, out=ob)
+        ob.addcmul_(a, s2)
 
 
 class _Rope(torch.autograd.Function):
     """Out-of-place rotation; backward = inverse rotation (saves only cos/sin)."""
 
     @staticmethod
-    def forward(ctx, x, c1, s1, c2, s2, rotation, rd, seq_dim):
+    def forward(ctx, x, cos, sin, trig, seq_dim):
         out = torch.empty_like(x)
-        _run(x, out, (c1, s1, c2, s2), rotation, rd, seq_dim)
-        ctx.save_for_backward(c1, s1, c2, s2)
-        ctx.meta = (rotation, rd, seq_dim)
+        _run(x, out, trig, seq_dim)
+        ctx.trig, ctx.seq_dim = trig, seq_dim
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        rotation, rd, seq_dim = ctx.meta
         grad_in = torch.empty_like(grad)
-        _run(grad, grad_in, ctx.saved_tensors, rotation, rd, seq_dim, inverse=True)
-        return grad_in, None, None, None, None, None, None, None
+        _run(grad, grad_in, ctx.trig.inverse(), ctx.seq_dim)
+        return grad_in, None, None, None, None
 
 
 class _RopeInplace(torch.autograd.Function):
-    """In-place rotation of ``x`` (marked dirty); backward = inverse rotation."""
+    """In-place rotation of x (marked dirty); backward = inverse rotation."""
 
     @staticmethod
-    def forward(ctx, x, c1, s1, c2, s2, rotation, rd, seq_dim):
-        _run(x, x, (c1, s1, c2, s2), rotation, rd, seq_dim)
+    def forward(ctx, x, cos, sin, trig, seq_dim):
+        _run(x, x, trig, seq_dim)
         ctx.mark_dirty(x)
-        ctx.save_for_backward(c1, s1, c2, s2)
-        ctx.meta = (rotation, rd, seq_dim)
+        ctx.trig, ctx.seq_dim = trig, seq_dim
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        rotation, rd, seq_dim = ctx.meta
         grad_in = torch.empty_like(grad)
-        _run(grad, grad_in, ctx.saved_tensors, rotation, rd, seq_dim, inverse=True)
-        return grad_in, None, None, None, None, None, None, None
+        _run(grad, grad_in, ctx.trig.inverse(), ctx.seq_dim)
+        return grad_in, None, None, None, None
 
 
-def _composite(x, c1, s1, c2, s2, rotation, rd):
+def composite(x, trig):
     """Plain differentiable form, used when cos/sin themselves need gradients."""
-    a, b = _parts(x, rotation, rd)
+    c1, s1, c2, s2 = trig.parts
+    a, b = _parts(x, trig.rotation, trig.rd)
     out_a = a * c1 - b * s1
     out_b = b * c2 + a * s2
-    if rotation == "neox":
+    if trig.rotation == "neox":
         rot = torch.cat((out_a, out_b), dim=-1)
     else:
         rot = torch.stack((out_a, out_b), dim=-1).flatten(-2)
-    return torch.cat((rot, x[..., rd:]), dim=-1) if rd < x.shape[-1] else rot
+    return torch.cat((rot, x[..., trig.rd:]), dim=-1) if trig.rd < x.shape[-1] else rot
 
 
-def rotate(x, trig, rotation, rd, seq_dim, inplace=False):
-    c1, s1, c2, s2 = trig
-    if any(t.requires_grad for t in trig):
-        # cos/sin need gradients: let autograd differentiate the plain form (out of place)
-        return _composite(x, c1, s1, c2, s2, rotation, rd)
+def rotate(x, cos, sin, trig, seq_dim, inplace=False):
+    """Rotate one tensor. cos/sin are passed only so autograd sees whether they need gradients."""
+    if cos.requires_grad or sin.requires_grad:
+        return composite(x, trig)  # out of place: autograd differentiates the plain form
     fn = _RopeInplace if inplace else _Rope
-    return fn.apply(x, c1, s1, c2, s2, rotation, rd, seq_dim)
+    return fn.apply(x, cos, sin, trig, seq_dim)
 
 
 def fold_contiguous(cos, section):
