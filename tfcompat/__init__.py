@@ -7,7 +7,7 @@ patches nothing. Public modules: :mod:`.rope`, :mod:`.config`, :mod:`.errors`,
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "report", "clear_cache"]
+__all__ = ["__version__", "report", "clear_cache", "patch", "unpatch"]
 
 
 def report(families=None):
@@ -22,3 +22,17 @@ def clear_cache():
     from . import _resolve
 
     _resolve.clear_cache()
+
+
+def patch(model, *, remove_padding=True, ulysses_group=None):
+    """Patch a model instance for packed sequences / Ulysses (see :func:`tfcompat._patch.patch`)."""
+    from . import _patch
+
+    return _patch.patch(model, remove_padding=remove_padding, ulysses_group=ulysses_group)
+
+
+def unpatch(model):
+    """Restore a model patched by :func:`patch`."""
+    from . import _patch
+
+    return _patch.unpatch(model)

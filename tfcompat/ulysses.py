@@ -1,0 +1,137 @@
+"""Ulysses sequence parallelism over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
+
+Each rank of a group holds a contiguous slice of the sequence. Around attention,
+an all-to-all turns "my tokens, all heads" into "all tokens, my heads", and back:
+
+    (s_local, heads, d) --gather_seq_scatter_heads--> (s_local * P, heads / P, d)
+    (s_local * P, heads / P, d) --gather_heads_scatter_seq--> (s_local, heads, d)
+
+Both are autograd functions whose backward is the other all-to-all.
+``slice_for_rank`` pads a tensor's sequence dim to a multiple of the group size and keeps
+this rank's slice; ``gather_from_ranks`` concatenates the slices back (its backward keeps
+this rank's slice of the gradient, so summing parameter gradients over the group gives
+the single-process gradient).
+
+.. versionadded:: 0.1.0
+"""
+
+import torch
+import torch.distributed as dist
+
+from .errors import TfcompatError
+
+__all__ = ["UlyssesError", "gather_seq_scatter_heads", "gather_heads_scatter_seq", "slice_for_rank",
+           "gather_from_ranks", "repeat_kv_for_group", "padded_length"]
+
+
+class UlyssesError(TfcompatError, ValueError):
+    """A head count or sequence split that sequence parallelism cannot serve."""
+
+
+def _size(group):
+    return dist.get_world_size(group)
+
+
+def _a2a(x, group):
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x.contiguous(), group=group)
+    return out
+
+
+def _seq_to_heads(x, group):
+    p = _size(group)
+    s, h, d = x.shape
+    if h % p:
+        raise UlyssesError(f"Ulysses: {h} heads do not divide over a group of {p} ranks; use a group size that "
+                           f"divides the head count")
+    x = x.reshape(s, p, h // p, d).transpose(0, 1)  # (p, s, h/p, d): chunk j goes to rank j
+    return _a2a(x, group).reshape(p * s, h // p, d)
+
+
+def _heads_to_seq(x, group):
+    p = _size(group)
+    total, hp, d = x.shape
+    x = x.reshape(p, total // p, hp, d)  # chunk j: rank j's tokens, my heads
+    out = _a2a(x, group)  # chunk j: my tokens, rank j's heads
+    return out.transpose(0, 1).reshape(total // p, p * hp, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_seq(grad, ctx.group), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _heads_to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad, ctx.group), None
+
+
+def gather_seq_scatter_heads(x, group=None):
+    """(s_local, heads, d) on each rank -> (s_local * P, heads / P, d)."""
+    return _SeqToHeads.apply(x, group)
+
+
+def gather_heads_scatter_seq(x, group=None):
+    """(s_local * P, heads / P, d) -> (s_local, heads, d); the inverse of :func:`gather_seq_scatter_heads`."""
+    return _HeadsToSeq.apply(x, group)
+
+
+def repeat_kv_for_group(k, group_size):
+    """Repeat kv heads (dim 1 of (s, kv_heads, d)) so they divide over ``group_size`` ranks."""
+    kv = k.shape[1]
+    if kv % group_size == 0:
+        return k
+    import math
+
+    rep = math.lcm(kv, group_size) // kv
+    return k.repeat_interleave(rep, dim=1)
+
+
+def padded_length(length, group_size):
+    return -(-length // group_size) * group_size
+
+
+def slice_for_rank(x, dim=1, group=None, pad_value=0):
+    """Pad ``x`` along ``dim`` to a multiple of the group size and return this rank's slice."""
+    p, rank = _size(group), dist.get_rank(group)
+    n = x.shape[dim]
+    total = padded_length(n, p)
+    if total != n:
+        pad_shape = list(x.shape)
+        pad_shape[dim] = total - n
+        x = torch.cat((x, x.new_full(pad_shape, pad_value)), dim=dim)
+    step = total // p
+    return x.narrow(dim, rank * step, step)
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        parts = [torch.empty_like(x) for _ in range(_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        p, rank = _size(ctx.group), dist.get_rank(ctx.group)
+        step = grad.shape[ctx.dim] // p
+        return grad.narrow(ctx.dim, rank * step, step).contiguous(), None, None
+
+
+def gather_from_ranks(x, dim=1, group=None, length=None):
+    """Concatenate every rank's slice along ``dim`` (and drop padding beyond ``length``)."""
+    out = _Gather.apply(x, dim, group)
+    return out if length is None else out.narrow(dim, 0, length)
