@@ -63,7 +63,7 @@ def _resolve_attention(fam, capability):
     reason = (f"{fam.attention}.forward{sig}: returns a {returns}-tuple; {text_model}.forward "
               f"{'splits 4-row position ids' if four else 'takes 3-row position ids only (tfcompat strips the text row)' if fam.vision else 'takes 2-D position ids'}")
     plan = AttentionPlan(params, varkw, returns, text_model, four, linear)
-    return _resolve.Resolution(capability, "tfcompat.attention", f"{module.__name__}.{fam.attention}.forward",
+    return _resolve.Resolution(capability, "bundled", f"{module.__name__}.{fam.attention}.forward",
                                reason, str(_resolve._version.transformers_version()), plan, module)
 
 

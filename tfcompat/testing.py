@@ -12,7 +12,7 @@ import importlib
 from . import _resolve
 from ._families import family as _family
 
-__all__ = ["tiny_config", "TINY_SECTIONS"]
+__all__ = ["tiny_config", "tiny_model", "tiny_sequence", "tiny_pixels", "model_class", "TINY_SECTIONS"]
 
 HEAD_DIM = 32
 
@@ -104,3 +104,65 @@ def tiny_config(model_type, **overrides):
         # Qwen2-VL before 4.52: text settings are flat on the top-level config
         return cls(vision_config=vision, **ids, **text)
     return cls(text_config=text, vision_config=vision, **ids)
+
+
+def model_class(model_type):
+    """The installed transformers' LM class of a family (ForConditionalGeneration / ForCausalLM)."""
+    fam = _family(model_type)
+    module = importlib.import_module(fam.modeling)
+    for name in (f"{fam.prefix}ForConditionalGeneration", f"{fam.prefix}ForCausalLM"):
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise AttributeError(f"{fam.modeling} has no ForConditionalGeneration / ForCausalLM class")
+
+
+def tiny_model(model_type, seed=0, dtype=None, **overrides):
+    """A tiny random-weight model of ``model_type`` (fp32, eval mode, seeded)."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = model_class(model_type)(tiny_config(model_type, **overrides))
+    return model.to(dtype or torch.float32).eval()
+
+
+def tiny_sequence(model_type, *, text=4, image=False, video=False, image_first=False):
+    """Token ids of one sequence with an image (4x4 patches -> 4 tokens) and/or a video (2 frames
+    of 4x4 patches -> 8 tokens), laid out as the family's processor lays them out."""
+    fam = _family(model_type)
+    ids = list(range(10, 10 + text))
+    cfg = tiny_config(model_type)
+    glm = fam.name in ("glm4v", "glm4v_moe")
+
+    def image_tokens():
+        if glm:
+            return [cfg.image_start_token_id] + [cfg.image_token_id] * 4 + [cfg.image_end_token_id]
+        return [cfg.vision_start_token_id] + [cfg.image_token_id] * 4 + [cfg.vision_end_token_id]
+
+    def video_tokens():
+        if glm:
+            return [cfg.video_start_token_id] + image_tokens() * 2 + [cfg.video_end_token_id]
+        if fam.name.startswith("qwen3"):  # one vision block per frame
+            return ([cfg.vision_start_token_id] + [cfg.video_token_id] * 4 + [cfg.vision_end_token_id]) * 2
+        return [cfg.vision_start_token_id] + [cfg.video_token_id] * 8 + [cfg.vision_end_token_id]
+
+    if image:
+        ids = image_tokens() + ids if image_first else ids[:2] + image_tokens() + ids[2:]
+    if video:
+        ids = ids + video_tokens() + [20]
+    return ids
+
+
+def tiny_pixels(images=0, videos=0, seed=0):
+    """pixel_values / grids for ``images`` images and ``videos`` videos of :func:`tiny_sequence`."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    patch_dim = 3 * 2 * 4 * 4
+    if images:
+        out["pixel_values"] = torch.randn(16 * images, patch_dim, generator=g)
+        out["image_grid_thw"] = torch.tensor([[1, 4, 4]] * images)
+    if videos:
+        out["pixel_values_videos"] = torch.randn(32 * videos, patch_dim, generator=g)
+        out["video_grid_thw"] = torch.tensor([[2, 4, 4]] * videos)
+    return out

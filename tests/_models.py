@@ -1,0 +1,59 @@
+"""Tiny models and batches for the patch / embeds tests (oracle: the unpatched upstream model)."""
+
+import inspect
+
+import torch
+
+from tfcompat._families import FAMILIES, family
+from tfcompat.embeds import mm_token_type_ids, rope_index
+from tfcompat.testing import tiny_model, tiny_pixels, tiny_sequence
+
+PAD = 0
+
+
+def padded(rows):
+    length = max(len(r) for r in rows)
+    ids = torch.full((len(rows), length), PAD, dtype=torch.long)
+    mask = torch.zeros((len(rows), length), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+def forward_kwargs(model, ids, **extra):
+    """Add mm_token_type_ids where this release's forward takes it (required with pixels from 5.3)."""
+    kw = dict(extra)
+    if family(model.config).vision and "mm_token_type_ids" in inspect.signature(type(model).forward).parameters:
+        kw["mm_token_type_ids"] = mm_token_type_ids(model, ids)
+    return kw
+
+
+def text_model(model):
+    for m in model.modules():
+        if "layers" in m._modules and "embed_tokens" in m._modules:
+            return m
+    raise AssertionError("no text model")
+
+
+def capture_text_model_inputs(model, **kwargs):
+    """Run the model and return the keyword arguments its text decoder stack received."""
+    box = {}
+    hook = text_model(model).register_forward_pre_hook(lambda m, a, k: box.update(k), with_kwargs=True)
+    try:
+        model(use_cache=False, **kwargs)
+    finally:
+        hook.remove()
+    return box
+
+
+def three_d_positions(model, ids, mask, pixels):
+    if not FAMILIES[model.config.model_type].vision:
+        return None
+    pos, _ = rope_index(model, ids, image_grid_thw=pixels.get("image_grid_thw"),
+                        video_grid_thw=pixels.get("video_grid_thw"), attention_mask=mask)
+    return pos
+
+
+__all__ = ["padded", "forward_kwargs", "capture_text_model_inputs", "three_d_positions", "tiny_model",
+           "tiny_pixels", "tiny_sequence", "text_model"]

@@ -1,0 +1,164 @@
+"""Patched model on a packed batch == unpatched model on the padded batch (logits and every gradient)."""
+
+import pytest
+import torch
+
+import tfcompat
+from tfcompat._families import FAMILIES as SPECS
+from tfcompat.errors import UnsupportedTransformersError
+from tfcompat.packing import pack, packed, unpack
+from tfcompat.varlen import PackingError
+
+from _helpers import installed
+from _models import forward_kwargs, padded, three_d_positions, tiny_model, tiny_pixels, tiny_sequence
+
+FAMILIES = [n for n in installed() if n not in ("llama", "glm")]
+VISION = [n for n in FAMILIES if SPECS[n].vision]
+
+CASES = {
+    "text": dict(rows=[dict(text=7), dict(text=4)], images=0, videos=0),
+    "image": dict(rows=[dict(text=5, image=True), dict(text=3)], images=1, videos=0),
+    "starts_with_image": dict(rows=[dict(text=3), dict(text=4, image=True, image_first=True)], images=1, videos=0),
+    "video": dict(rows=[dict(text=3, video=True), dict(text=5)], images=0, videos=1),
+}
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _run(model, weights, mask, **kwargs):
+    model.zero_grad(set_to_none=True)
+    logits = model(use_cache=False, **kwargs).logits
+    return logits
+
+
+def _close(got, want, what):
+    scale = max(1.0, want.abs().max().item())
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5 * scale, msg=lambda m: f"{what}: {m}")
+
+
+def _padded_and_packed(name, case):
+    spec = CASES[case]
+    model = tiny_model(name)
+    rows = [tiny_sequence(name, **r) for r in spec["rows"]]
+    ids, mask = padded(rows)
+    pixels = tiny_pixels(spec["images"], spec["videos"])
+    return model, ids, mask, pixels
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_packed_patched_equals_padded_unpatched(name, case):
+    if case != "text" and name not in VISION:
+        pytest.skip("text family")
+    model, ids, mask, pixels = _padded_and_packed(name, case)
+    g = torch.Generator().manual_seed(7)
+
+    ref = _run(model, None, mask, input_ids=ids, attention_mask=mask, **forward_kwargs(model, ids, **pixels))
+    weights = torch.randn(ref.shape, generator=g)
+    (ref * weights * mask[..., None]).sum().backward()
+    ref_grads = _grads(model)
+
+    pk = pack(ids, mask, three_d_positions(model, ids, mask, pixels), vision=SPECS[name].vision)
+    record = tfcompat.patch(model)
+    assert record.attention_modules == model.config.get_text_config().num_hidden_layers - record.linear_attention_modules
+    out = _run(model, None, mask, input_ids=pk.input_ids, position_ids=pk.position_ids,
+               **forward_kwargs(model, pk.input_ids, **pixels))
+    logits = unpack(out, pk)
+    (logits * weights * mask[..., None]).sum().backward()
+    grads = _grads(model)
+
+    valid = mask.bool()
+    _close(logits[valid], ref[valid], f"{name}/{case} logits")
+    assert grads.keys() == ref_grads.keys()
+    for key in ref_grads:
+        _close(grads[key], ref_grads[key], f"{name}/{case} grad {key}")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_unpatched_model_on_a_packed_row_really_differs(name):
+    """Guard: without the patch the sequences of a packed row see each other."""
+    model, ids, mask, pixels = _padded_and_packed(name, "text")
+    ref = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    pk = pack(ids, mask, vision=SPECS[name].vision)
+    if pk.position_ids.dim() != 3:
+        pytest.skip("text families: upstream may detect packing from 2-D ids itself")
+    # plain running positions: nothing tells upstream where the sequences begin
+    with torch.no_grad():
+        plain = model(input_ids=pk.input_ids, position_ids=torch.arange(pk.input_ids.shape[1]).view(1, 1, -1)
+                      .expand(3, 1, -1), attention_mask=torch.ones_like(pk.input_ids), use_cache=False).logits
+    assert not torch.allclose(unpack(plain, pk)[mask.bool()], ref[mask.bool()], atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_5", "glm4"])
+def test_unpatch_restores_bit_identical_outputs(name):
+    if name not in FAMILIES:
+        pytest.skip("not in this release")
+    model, ids, mask, _ = _padded_and_packed(name, "text")
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        tfcompat.patch(model)
+        assert tfcompat.unpatch(model) is True
+        after = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert torch.equal(before, after)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert tfcompat.unpatch(model) is False
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "glm4v", "qwen2"])
+def test_patch_twice_and_two_models(name):
+    if name not in FAMILIES:
+        pytest.skip("not in this release")
+    a, ids, mask, _ = _padded_and_packed(name, "text")
+    b = tiny_model(name)
+    pk = pack(ids, mask, vision=SPECS[name].vision)
+    first = tfcompat.patch(a)
+    assert tfcompat.patch(a) is first
+    with torch.no_grad():
+        once = a(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False).logits
+        tfcompat.patch(a)
+        twice = a(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False).logits
+        ref_b = b(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert torch.equal(once, twice)
+    _close(unpack(once, pk)[mask.bool()], ref_b[mask.bool()], "patched a vs padded b")
+    assert not any("_tfcompat_patch" in m.__dict__ for m in b.modules()), "patching a touched b"
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen3"])
+def test_incremental_decoding_falls_through(name):
+    if name not in FAMILIES:
+        pytest.skip("not in this release")
+    model, ids, mask, _ = _padded_and_packed(name, "text")
+    with torch.no_grad():
+        want = model(input_ids=ids[:1], use_cache=True).logits
+        tfcompat.patch(model)
+        got = model(input_ids=ids[:1], use_cache=True).logits
+    assert torch.equal(want, got)
+
+
+def test_boundaries_from_the_packed_context_and_kwargs():
+    name = "qwen2"
+    model, ids, mask, _ = _padded_and_packed(name, "text")
+    pk = pack(ids, mask, vision=False)
+    tfcompat.patch(model)
+    with torch.no_grad():
+        want = model(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False).logits
+        # running positions would hide the boundaries; the context supplies them
+        with packed(pk.cu_seqlens):
+            got = model(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False).logits
+    _close(got, want, "context")
+
+
+def test_three_row_ids_of_a_packed_row_are_refused():
+    name = next(n for n in VISION)
+    model, ids, mask, _ = _padded_and_packed(name, "text")
+    pk = pack(ids, mask, vision=True)
+    tfcompat.patch(model)
+    with pytest.raises(PackingError, match="3-row mRoPE ids cannot mark where each begins"):
+        model(input_ids=pk.input_ids, position_ids=pk.position_ids[1:], use_cache=False)
+
+
+def test_unsupported_model():
+    with pytest.raises(UnsupportedTransformersError, match="cannot tell the model family"):
+        tfcompat.patch(torch.nn.Linear(2, 2))

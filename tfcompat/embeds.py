@@ -1,0 +1,269 @@
+"""The embedding path of GLM/Qwen vision-language models, identical on every release.
+
+* :func:`unpack_visual_output`: a vision tower's (or ``get_image_features``') output, in any
+  of the shapes releases return, as ``(embeds, deepstack)``.
+* :func:`get_input_embeds`: token embeddings with image/video features scattered in, exactly
+  as the model's own forward builds them, plus Qwen3-VL's ``visual_pos_masks`` and
+  ``deepstack_visual_embeds``. Without images or videos it runs the vision tower on the
+  smallest valid dummy input and adds one zero-weighted scalar, so every vision parameter
+  gets a (zero) gradient on every rank (DDP/FSDP stay in step) and no in-place op touches
+  an autograd tensor.
+* :func:`rope_index`: the model's own 3-D mRoPE position ids, wherever the release keeps
+  ``get_rope_index`` and whatever it requires (``mm_token_type_ids`` from 5.3).
+
+.. versionadded:: 0.1.0
+"""
+
+import dataclasses
+import inspect
+
+from ._families import family as _family
+from .errors import TfcompatError, UnsupportedTransformersError
+
+__all__ = ["EmbedsResult", "EmbedsError", "unpack_visual_output", "get_input_embeds", "rope_index",
+           "mm_token_type_ids", "dummy_visual_inputs"]
+
+
+class EmbedsError(TfcompatError, ValueError):
+    """Vision inputs that do not fit the text (token counts, grids, pixel shapes)."""
+
+
+@dataclasses.dataclass
+class EmbedsResult:
+    """inputs_embeds: (batch, seq, hidden). visual_pos_masks: (batch, seq) bool, and
+    deepstack_visual_embeds: one (num_visual_tokens, hidden) tensor per deepstack layer
+    (Qwen3-VL only; None elsewhere or without vision tokens)."""
+
+    inputs_embeds: object
+    visual_pos_masks: object = None
+    deepstack_visual_embeds: list = None
+    used_dummy: bool = False
+
+
+def _cat(x):
+    import torch
+
+    if isinstance(x, (tuple, list)):
+        return torch.cat([t for t in x], dim=0) if len(x) != 1 else x[0]
+    return x
+
+
+def unpack_visual_output(output):
+    """``(embeds, deepstack)`` from any vision output.
+
+    Accepts a tensor (4.x Qwen2-VL / GLM-4V towers), the 4.x Qwen3-VL tuple
+    ``(embeds, deepstack_list)``, ``BaseModelOutputWithPooling`` (merged features in
+    ``pooler_output``), ``BaseModelOutputWithDeepstackFeatures``, and the per-image split tuples
+    ``get_image_features`` returns. ``embeds`` is one (num_tokens, hidden) tensor; ``deepstack``
+    is a list of such tensors (one per deepstack layer) or None.
+    """
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return output, None
+    pooled = getattr(output, "pooler_output", None)
+    if pooled is not None:
+        deep = getattr(output, "deepstack_features", None)
+        return _cat(pooled), None if deep is None else [_cat(d) for d in deep]
+    if isinstance(output, (tuple, list)):
+        if len(output) == 2 and isinstance(output[1], (tuple, list)) and not isinstance(output[0], torch.Tensor) \
+                or len(output) == 2 and isinstance(output[0], torch.Tensor) and isinstance(output[1], (tuple, list)):
+            # 4.x Qwen3-VL: (embeds or per-image tuple, [deepstack per layer])
+            embeds, deep = output
+            return _cat(embeds), [_cat(d) for d in deep]
+        if output and all(isinstance(t, torch.Tensor) for t in output):
+            return _cat(output), None  # per-image split tuple
+    raise EmbedsError(
+        f"unpack_visual_output: cannot read {type(output).__name__}; expected a tensor, a (embeds, deepstack) "
+        f"tuple, per-image tuples, or a transformers output with pooler_output"
+    )
+
+
+# ------------------------------------------------------------------------------ locating
+def _vl_model(model):
+    """The module that owns ``visual`` (ForConditionalGeneration before 4.52, ``*Model`` after)."""
+    inner = getattr(model, "model", None)
+    if inner is not None and "visual" in getattr(inner, "_modules", {}):
+        return inner
+    if "visual" in getattr(model, "_modules", {}):
+        return model
+    raise UnsupportedTransformersError(
+        f"tfcompat.embeds: {type(model).__name__} has no vision tower (looked for .visual and .model.visual); "
+        f"pass a vision-language model of a supported family"
+    )
+
+
+def _features(owner, kind, pixels, grid):
+    """Features through the model's own get_image_features / get_video_features, else its tower."""
+    visual = owner.visual
+    method = getattr(owner, f"get_{kind}_features", None)
+    if method is not None:
+        try:
+            out = method(pixels, grid)
+        except TypeError:
+            out = method(pixels, grid, return_dict=True)
+        return unpack_visual_output(out)
+    return unpack_visual_output(visual(pixels.type(visual.dtype), grid_thw=grid))
+
+
+def _video_segments(input_ids, start_id, end_id):
+    import torch
+
+    starts = torch.cumsum(input_ids == start_id, dim=-1)
+    ends = torch.cumsum(input_ids == end_id, dim=-1)
+    return starts > ends
+
+
+def mm_token_type_ids(model, input_ids):
+    """0 for text, 1 for image tokens, 2 for video tokens (GLM marks video frames with image tokens
+    between its video start/end tokens), as the 5.3+ processors produce them."""
+    import torch
+
+    config = model.config
+    fam = _family(config)
+    image_id = getattr(config, "image_token_id", None)
+    video_id = getattr(config, "video_token_id", None)
+    types = torch.zeros_like(input_ids, dtype=torch.int32)
+    if fam.name in ("glm4v", "glm4v_moe"):
+        in_video = _video_segments(input_ids, config.video_start_token_id, config.video_end_token_id)
+        types[(input_ids == image_id) & in_video] = 2
+        types[(input_ids == image_id) & ~in_video] = 1
+    else:
+        types[input_ids == image_id] = 1
+        if video_id is not None:
+            types[input_ids == video_id] = 2
+    return types
+
+
+def _masks(model, input_ids):
+    config = model.config
+    fam = _family(config)
+    if fam.name in ("glm4v", "glm4v_moe"):
+        in_video = _video_segments(input_ids, config.video_start_token_id, config.video_end_token_id)
+        token = input_ids == config.image_token_id
+        return token & ~in_video, token & in_video
+    return input_ids == config.image_token_id, input_ids == config.video_token_id
+
+
+def dummy_visual_inputs(model):
+    """The smallest valid (pixel_values, grid_thw) for the model's vision tower: one image of
+    ``merge x merge`` patches (one merged token)."""
+    import torch
+
+    owner = _vl_model(model)
+    vc = owner.config.vision_config if hasattr(owner.config, "vision_config") else model.config.vision_config
+    m = vc.spatial_merge_size
+    patch_dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+    param = next(owner.visual.parameters())
+    pixels = torch.zeros(m * m, patch_dim, dtype=param.dtype, device=param.device)
+    grid = torch.tensor([[1, m, m]], device=param.device)
+    return pixels, grid
+
+
+def get_input_embeds(model, input_ids, *, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
+                     video_grid_thw=None):
+    """Token embeddings with vision features merged in, as the installed model's forward builds them.
+
+    Args:
+        model: a vision-language model of a supported family (ForConditionalGeneration or ``*Model``).
+        input_ids: (batch, seq) with the family's image/video placeholder tokens.
+        pixel_values / image_grid_thw, pixel_values_videos / video_grid_thw: as the processor returns them.
+
+    Returns:
+        :class:`EmbedsResult`. Without pixels, the vision tower runs on :func:`dummy_visual_inputs` and
+        ``inputs_embeds + 0 * (sum of every vision output)`` is returned (one extra tensor of the size of
+        inputs_embeds; nothing in place).
+
+    Raises:
+        EmbedsError: placeholder token counts that differ from the feature counts, grids that do not
+        match the pixels.
+    """
+    import torch
+
+    owner = _vl_model(model)
+    fam = _family(model.config)
+    embeds = model.get_input_embeddings()(input_ids)
+    image_mask, video_mask = _masks(model, input_ids)
+    deep_parts = {}
+    for kind, pixels, grid, mask in (("image", pixel_values, image_grid_thw, image_mask),
+                                     ("video", pixel_values_videos, video_grid_thw, video_mask)):
+        if pixels is None:
+            if int(mask.sum()):
+                raise EmbedsError(f"get_input_embeds: input_ids hold {int(mask.sum())} {kind} tokens but no "
+                                  f"pixel_values{'_videos' if kind == 'video' else ''} were given")
+            continue
+        if grid is None:
+            raise EmbedsError(f"get_input_embeds: {kind} pixels given without {kind}_grid_thw")
+        patches = int(grid.prod(dim=-1).sum())
+        if patches != pixels.shape[0]:
+            raise EmbedsError(f"get_input_embeds: {kind}_grid_thw describes {patches} patches ({grid.tolist()}) "
+                              f"but pixel_values has {pixels.shape[0]} rows; pass the grid the processor returned "
+                              f"with these pixels")
+        feats, deep = _features(owner, kind, pixels, grid)
+        n_tokens = int(mask.sum())
+        if n_tokens != feats.shape[0]:
+            raise EmbedsError(f"get_input_embeds: input_ids hold {n_tokens} {kind} tokens but the vision tower "
+                              f"returned {feats.shape[0]} {kind} features; the text and the {kind}s do not match")
+        feats = feats.to(embeds.device, embeds.dtype)
+        embeds = embeds.masked_scatter(mask.unsqueeze(-1).expand_as(embeds), feats)
+        if deep is not None:
+            deep_parts[kind] = (mask, deep)
+
+    if pixel_values is None and pixel_values_videos is None:
+        pixels, grid = dummy_visual_inputs(model)
+        feats, deep = unpack_visual_output(owner.visual(pixels, grid_thw=grid))
+        zero = feats.sum()
+        for d in deep or ():
+            zero = zero + d.sum()
+        # one zero-weighted scalar, added once, out of place: every vision weight joins the graph
+        return EmbedsResult(embeds + zero.to(embeds.dtype) * 0.0, used_dummy=True)
+
+    result = EmbedsResult(embeds)
+    if fam.name in ("qwen3_vl", "qwen3_vl_moe") and deep_parts:
+        result.visual_pos_masks, result.deepstack_visual_embeds = _deepstack(deep_parts)
+    return result
+
+
+def _deepstack(parts):
+    import torch
+
+    if len(parts) == 1:
+        (mask, deep), = parts.values()
+        return mask, list(deep)
+    image_mask, image_deep = parts["image"]
+    video_mask, video_deep = parts["video"]
+    visual = image_mask | video_mask
+    image_joint, video_joint = image_mask[visual], video_mask[visual]
+    joint = []
+    for img, vid in zip(image_deep, video_deep):
+        out = img.new_zeros(int(visual.sum()), img.shape[-1])
+        out = out.index_put((image_joint.nonzero().flatten(),), img)
+        out = out.index_put((video_joint.nonzero().flatten(),), vid)
+        joint.append(out)
+    return visual, joint
+
+
+# ------------------------------------------------------------------------------ rope index
+def rope_index(model, input_ids, *, image_grid_thw=None, video_grid_thw=None, attention_mask=None,
+               mm_token_type_ids=None, **kwargs):
+    """``(position_ids (3, batch, seq), rope_deltas (batch, 1))`` from the model's own ``get_rope_index``.
+
+    Finds the method on ``model.model`` (4.52+) or the model itself (before), and supplies
+    ``mm_token_type_ids`` (required from 5.3) from ``input_ids`` when not given.
+    """
+    owner = getattr(model, "model", None)
+    fn = getattr(owner, "get_rope_index", None) if owner is not None else None
+    if fn is None:
+        fn = getattr(model, "get_rope_index", None)
+    if fn is None:
+        raise UnsupportedTransformersError(f"rope_index: {type(model).__name__} has no get_rope_index (looked on "
+                                           f".model and the model itself)")
+    params = inspect.signature(fn).parameters
+    call = dict(image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw, attention_mask=attention_mask)
+    call.update(kwargs)
+    if "mm_token_type_ids" in params:
+        if mm_token_type_ids is None:
+            mm_token_type_ids = globals()["mm_token_type_ids"](model, input_ids)
+        call["mm_token_type_ids"] = mm_token_type_ids
+    call = {k: v for k, v in call.items() if k in params or any(p.kind is p.VAR_KEYWORD for p in params.values())}
+    return fn(input_ids, **call)
