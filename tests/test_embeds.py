@@ -1,0 +1,102 @@
+"""get_input_embeds / rope_index against the installed model's own embedding path."""
+
+import pytest
+import torch
+
+from tfcompat._families import FAMILIES as SPECS
+from tfcompat.embeds import EmbedsError, get_input_embeds, rope_index, unpack_visual_output
+
+from _helpers import installed
+from _models import capture_text_model_inputs, forward_kwargs, tiny_model, tiny_pixels, tiny_sequence
+
+VISION = [n for n in installed() if SPECS[n].vision]
+CASES = {"image": (1, 0), "video": (0, 1), "both": (1, 1), "neither": (0, 0)}
+
+
+def _batch(name, images, videos):
+    ids = torch.tensor([tiny_sequence(name, text=5, image=bool(images), video=bool(videos))])
+    return ids, tiny_pixels(images, videos)
+
+
+@pytest.mark.parametrize("name", VISION)
+@pytest.mark.parametrize("case", list(CASES))
+def test_get_input_embeds_equals_the_model_forward(name, case):
+    images, videos = CASES[case]
+    if case == "both" and name in ("glm4v", "glm4v_moe"):
+        pytest.skip("GLM-4V's own forward cannot take images and videos together (same placeholder token)")
+    model = tiny_model(name)
+    ids, pixels = _batch(name, images, videos)
+    seen = capture_text_model_inputs(model, input_ids=ids, attention_mask=torch.ones_like(ids),
+                                     **forward_kwargs(model, ids, **pixels))
+    got = get_input_embeds(model, ids, **pixels)
+    assert torch.equal(got.inputs_embeds, seen["inputs_embeds"])
+    assert got.used_dummy == (case == "neither")
+    if seen.get("deepstack_visual_embeds") is not None:
+        assert torch.equal(got.visual_pos_masks, seen["visual_pos_masks"])
+        assert len(got.deepstack_visual_embeds) == len(seen["deepstack_visual_embeds"])
+        for a, b in zip(got.deepstack_visual_embeds, seen["deepstack_visual_embeds"]):
+            assert torch.equal(a, b)
+    else:
+        assert got.deepstack_visual_embeds is None
+    pos, deltas = rope_index(model, ids, image_grid_thw=pixels.get("image_grid_thw"),
+                             video_grid_thw=pixels.get("video_grid_thw"), attention_mask=torch.ones_like(ids))
+    assert pos.shape == (3, 1, ids.shape[1])
+    if seen.get("position_ids") is not None:
+        assert torch.equal(seen["position_ids"][-3:], pos)
+    if images or videos:
+        assert not torch.equal(pos[0], pos[1]), "vision tokens must get 3-D positions"
+
+
+@pytest.mark.parametrize("name", VISION)
+def test_dummy_visual_forward_backward(name):
+    """Text-only batch: every vision weight gets a zero gradient; no in-place op on autograd tensors."""
+    model = tiny_model(name)
+    model.train()
+    ids, _ = _batch(name, 0, 0)
+    with torch.autograd.set_detect_anomaly(True):
+        res = get_input_embeds(model, ids)
+        assert res.used_dummy
+        assert torch.equal(res.inputs_embeds, model.get_input_embeddings()(ids))
+        pos, _ = rope_index(model, ids)  # 4.x forwards cannot derive positions from inputs_embeds alone
+        out = model(inputs_embeds=res.inputs_embeds, position_ids=pos, attention_mask=torch.ones_like(ids),
+                    use_cache=False).logits
+        out.float().pow(2).mean().backward()
+    visual = [(n, p) for n, p in model.named_parameters() if ".visual." in f".{n}" or n.startswith("visual.")]
+    assert visual
+    for n, p in visual:
+        assert p.grad is not None, f"{n} got no gradient"
+        assert torch.count_nonzero(p.grad) == 0, f"{n} got a non-zero gradient"
+    text = [p for n, p in model.named_parameters() if "embed_tokens" in n]
+    assert text and text[0].grad is not None and text[0].grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", VISION[:3])
+def test_bad_vision_inputs(name):
+    model = tiny_model(name)
+    ids, pixels = _batch(name, 1, 0)
+    cfg = model.config
+    short = ids[ids != cfg.image_token_id].tolist()
+    short = torch.tensor([short[:3] + [cfg.image_token_id] * 3 + short[3:]])
+    with pytest.raises(EmbedsError, match=r"input_ids hold 3 image tokens but the vision tower returned 4 image"):
+        get_input_embeds(model, short, **pixels)
+    with pytest.raises(EmbedsError, match=r"image_grid_thw describes 64 patches \(\[\[1, 8, 8\]\]\) but pixel_values has 16 rows"):
+        get_input_embeds(model, ids, pixel_values=pixels["pixel_values"], image_grid_thw=torch.tensor([[1, 8, 8]]))
+    with pytest.raises(EmbedsError, match="hold 4 image tokens but no pixel_values"):
+        get_input_embeds(model, ids)
+
+
+def test_unpack_visual_output_shapes():
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    a, b = torch.randn(4, 8), torch.randn(2, 8)
+    assert unpack_visual_output(a)[0] is a and unpack_visual_output(a)[1] is None
+    e, d = unpack_visual_output((a, [b, b]))
+    assert e is a and len(d) == 2
+    e, d = unpack_visual_output(((a, b), [(b, b)]))
+    assert e.shape == (6, 8) and d[0].shape == (4, 8)
+    e, d = unpack_visual_output((a, b))
+    assert e.shape == (6, 8) and d is None
+    e, d = unpack_visual_output(BaseModelOutputWithPooling(last_hidden_state=a, pooler_output=(a, b)))
+    assert e.shape == (6, 8) and d is None
+    with pytest.raises(EmbedsError, match="cannot read dict"):
+        unpack_visual_output({"x": a})
