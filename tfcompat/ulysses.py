@@ -33,8 +33,9 @@ def _size(group):
 
 
 def _a2a(x, group):
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x.contiguous(), group=group)
+    x = x.contiguous()
+    out = torch.empty_like(x)  # contiguous too: the collective writes in memory order
+    dist.all_to_all_single(out, x, group=group)
     return out
 
 
@@ -120,8 +121,9 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
+        x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
+        dist.all_gather(parts, x, group=group)
         return torch.cat(parts, dim=dim)
 
     @staticmethod

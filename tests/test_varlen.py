@@ -1,0 +1,82 @@
+"""varlen_attention and boundaries: the SDPA fallback against plain per-sequence attention."""
+
+import pytest
+import torch
+
+from tfcompat.packing import pack, unpack
+from tfcompat.varlen import PackingError, cu_seqlens_from_position_ids, flash_attn_available, varlen_attention
+
+
+def test_boundaries_from_text_rows():
+    ids = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    cu, longest = cu_seqlens_from_position_ids(ids)
+    assert cu.tolist() == [0, 3, 5, 9] and cu.dtype == torch.int32 and longest == 4
+    four = torch.stack([ids, ids * 0, ids * 0, ids * 0])  # T/H/W rows may repeat 0 (an image at a start)
+    assert cu_seqlens_from_position_ids(four)[0].tolist() == [0, 3, 5, 9]
+    # a continuation chunk that does not start at 0 still splits where positions jump
+    assert cu_seqlens_from_position_ids(torch.tensor([5, 6, 7, 0, 1]))[0].tolist() == [0, 3, 5]
+
+
+def test_three_row_ids_are_refused():
+    with pytest.raises(PackingError, match="3-row mRoPE ids cannot mark boundaries"):
+        cu_seqlens_from_position_ids(torch.zeros(3, 1, 5, dtype=torch.long))
+
+
+def _reference(q, k, v, cu, window=None):
+    out = []
+    groups = q.shape[1] // k.shape[1]
+    for lo, hi in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        qs, ks, vs = q[lo:hi], k[lo:hi].repeat_interleave(groups, 1), v[lo:hi].repeat_interleave(groups, 1)
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * q.shape[-1] ** -0.5
+        n = hi - lo
+        i = torch.arange(n)
+        allowed = i[:, None] >= i[None, :]
+        if window is not None:
+            allowed &= (i[:, None] - i[None, :]) < window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_fallback_matches_per_sequence_attention(window):
+    g = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
+    q = torch.randn(13, 4, 8, generator=g, requires_grad=True)
+    k = torch.randn(13, 2, 8, generator=g, requires_grad=True)
+    v = torch.randn(13, 2, 8, generator=g, requires_grad=True)
+    got = varlen_attention(q, k, v, cu, window=window)
+    want = _reference(q, k, v, cu, window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    gw = torch.randn(want.shape, generator=g)
+    g1 = torch.autograd.grad((got * gw).sum(), (q, k, v))
+    g2 = torch.autograd.grad((want * gw).sum(), (q, k, v))
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_boundaries_and_shapes():
+    q = torch.zeros(6, 2, 4)
+    with pytest.raises(PackingError, match="cu_seqlens runs from 0 to 5 but q has 6 tokens"):
+        varlen_attention(q, q, q, torch.tensor([0, 5], dtype=torch.int32))
+    with pytest.raises(PackingError, match="3 query heads are not a multiple of 2 kv heads"):
+        varlen_attention(torch.zeros(6, 3, 4), q, q, torch.tensor([0, 6], dtype=torch.int32))
+    with pytest.raises(PackingError, match="must be \\(total_tokens, heads, head_dim\\)"):
+        varlen_attention(q[None], q, q, torch.tensor([0, 6], dtype=torch.int32))
+
+
+def test_flash_is_only_chosen_on_cuda():
+    assert flash_attn_available(torch.zeros(1)) is False
+
+
+def test_pack_and_unpack_round_trip_with_left_padding():
+    ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 1]])
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    pk = pack(ids, mask)
+    assert pk.input_ids.tolist() == [[5, 6, 7, 8, 9, 1]]
+    assert pk.position_ids.tolist() == [[0, 1, 0, 1, 2, 3]] and pk.cu_seqlens.tolist() == [0, 2, 6]
+    back = unpack(pk.input_ids.unsqueeze(-1).float(), pk)[..., 0]
+    assert torch.equal(back, (ids * mask).float())
+    pos3 = torch.arange(4).view(1, 1, 4).expand(3, 2, 4)
+    four = pack(ids, mask, pos3).position_ids
+    assert four.shape == (4, 1, 6) and four[0, 0].tolist() == [0, 1, 0, 1, 2, 3] and four[1, 0].tolist() == [2, 3, 0, 1, 2, 3]
