@@ -56,4 +56,4 @@ def test_vendored_copy_runs_a_family_check(tmp_path):
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
                          cwd=tmp_path, env=env, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    assert "4 passed, 0 failed" in out.stdout
+    assert "7 passed, 0 failed" in out.stdout

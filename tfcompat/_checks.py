@@ -17,7 +17,8 @@ def _result(name, check, fn, tolerance):
         diff = float(fn())
     except Exception as exc:  # a check that cannot run is a failed check, with the reason
         error = f"{type(exc).__name__}: {exc}"
-    tol = tolerance if tolerance is not None else _TOL["bf16" if "bf16" in check else "fp32"]
+    kind = "bf16" if "bf16" in check else check.split(".")[0] if check.split(".")[0] in _TOL else "fp32"
+    tol = tolerance if tolerance is not None else _TOL[kind]
     return {"family": name, "check": check, "max_abs_diff": diff, "tolerance": tol,
             "passed": error is None and diff <= tol, "seconds": round(time.perf_counter() - start, 4),
             "error": error}
@@ -86,12 +87,112 @@ def _config_vs_rotary(name):
     return (rot.inv_freq.float() - want).abs().max().item()
 
 
+def _padded(rows):
+    import torch
+
+    length = max(len(r) for r in rows)
+    ids = torch.zeros((len(rows), length), dtype=torch.long)
+    mask = torch.zeros((len(rows), length), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+def _forward_kwargs(model, ids, pixels):
+    import inspect
+
+    from .embeds import mm_token_type_ids
+
+    kw = dict(pixels)
+    if "mm_token_type_ids" in inspect.signature(type(model).forward).parameters and pixels:
+        kw["mm_token_type_ids"] = mm_token_type_ids(model, ids)
+    return kw
+
+
+def _packed_vs_padded(name):
+    """Patched model on a packed batch vs the unpatched model on the padded batch: logits and grads."""
+    import torch
+
+    from . import _patch
+    from ._families import family
+    from .embeds import rope_index
+    from .packing import pack, unpack
+    from .testing import tiny_model, tiny_pixels, tiny_sequence
+
+    vision = family(name).vision
+    model = tiny_model(name)
+    rows = [tiny_sequence(name, text=5, image=vision), tiny_sequence(name, text=3, image=vision, image_first=True)]
+    ids, mask = _padded(rows)
+    pixels = tiny_pixels(2 if vision else 0)
+    ref = model(input_ids=ids, attention_mask=mask, use_cache=False, **_forward_kwargs(model, ids, pixels)).logits
+    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(0))
+    (ref * weights * mask[..., None]).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    pos = rope_index(model, ids, image_grid_thw=pixels.get("image_grid_thw"), attention_mask=mask)[0] if vision else None
+    pk = pack(ids, mask, pos, vision=vision)
+    _patch.patch(model)
+    try:
+        out = model(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False,
+                    **_forward_kwargs(model, pk.input_ids, pixels)).logits
+        logits = unpack(out, pk)
+        (logits * weights * mask[..., None]).sum().backward()
+    finally:
+        _patch.unpatch(model)
+    valid = mask.bool()
+    diff = (logits[valid] - ref[valid]).abs().max().item() / max(1.0, ref.abs().max().item())
+    for n, p in model.named_parameters():
+        if (p.grad is None) != (n not in ref_grads):
+            raise AssertionError(f"{n}: gradient present in one run only")
+        if p.grad is not None:
+            scale = max(1.0, ref_grads[n].abs().max().item())
+            diff = max(diff, (p.grad - ref_grads[n]).abs().max().item() / scale)
+    return diff
+
+
+def _embeds_vs_model(name, images):
+    import torch
+
+    from .embeds import get_input_embeds
+    from .testing import tiny_model, tiny_pixels, tiny_sequence
+
+    model = tiny_model(name)
+    ids = torch.tensor([tiny_sequence(name, text=5, image=bool(images))])
+    pixels = tiny_pixels(images)
+    text = next(m for m in model.modules() if "layers" in m._modules and "embed_tokens" in m._modules)
+    seen = {}
+    hook = text.register_forward_pre_hook(lambda m, a, k: seen.update(k), with_kwargs=True)
+    try:
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,
+              **_forward_kwargs(model, ids, pixels))
+    finally:
+        hook.remove()
+    res = get_input_embeds(model, ids, **pixels)
+    diff = (res.inputs_embeds - seen["inputs_embeds"]).abs().max().item()
+    if not images:
+        res.inputs_embeds.sum().backward()
+        for n, p in model.named_parameters():
+            if n.startswith(("visual.", "model.visual.")):
+                if p.grad is None:
+                    raise AssertionError(f"dummy visual forward left {n} without a gradient")
+                diff = max(diff, p.grad.abs().max().item())
+    return diff
+
+
 CHECKS = (
-    ("config.rope_parameters", lambda n: _config_vs_rotary(n)),
-    ("rope.native.fp32", lambda n: _rope_vs_upstream(n, _dtype("float32"), inplace=False)),
-    ("rope.inplace.fp32", lambda n: _rope_vs_upstream(n, _dtype("float32"), inplace=True)),
-    ("rope.native.bf16", lambda n: _rope_vs_upstream(n, _dtype("bfloat16"), inplace=False)),
+    ("config.rope_parameters", lambda n: _config_vs_rotary(n), False),
+    ("rope.native.fp32", lambda n: _rope_vs_upstream(n, _dtype("float32"), inplace=False), False),
+    ("rope.inplace.fp32", lambda n: _rope_vs_upstream(n, _dtype("float32"), inplace=True), False),
+    ("rope.native.bf16", lambda n: _rope_vs_upstream(n, _dtype("bfloat16"), inplace=False), False),
+    ("attention.packed", lambda n: _packed_vs_padded(n), False),
+    ("embeds.image", lambda n: _embeds_vs_model(n, 1), True),
+    ("embeds.dummy", lambda n: _embeds_vs_model(n, 0), True),
 )
+
+# relative to the largest magnitude, for whole-model comparisons (fp32 summation order differs)
+_TOL["attention"] = 1e-4
+_TOL["embeds"] = 0.0
 
 
 def _dtype(name):
@@ -102,5 +203,10 @@ def _dtype(name):
 
 def run_family(name, tolerance=None):
     """Run every check for one family; yields result dicts as they finish."""
-    for check, fn in CHECKS:
+    from ._families import family
+
+    vision = family(name).vision
+    for check, fn, vision_only in CHECKS:
+        if vision_only and not vision:
+            continue
         yield _result(name, check, lambda: fn(name), tolerance)

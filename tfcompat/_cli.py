@@ -52,6 +52,10 @@ def _report(args):
                            f"{version.TESTED_MAX_TRANSFORMERS}; every choice below comes from probes")
     except Exception as exc:  # the report must still print what it knows
         doc["error"] = f"{type(exc).__name__}: {exc}"
+    if args.output:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output, "w") as fh:
+            json.dump(doc, fh, indent=2, sort_keys=True)
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
     else:
@@ -179,6 +183,7 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("report", help="versions and every resolver decision for the installed transformers")
     p.add_argument("--json", action="store_true", help="machine-readable output (schema 1)")
+    p.add_argument("--output", metavar="FILE", help="also write the JSON document to FILE")
     p.set_defaults(func=_report)
     p = sub.add_parser("check", help="compare tfcompat against upstream on tiny random models, forward and backward")
     p.add_argument("--family", action="append", metavar="NAME", help="check only this family (repeatable)")

@@ -7,7 +7,6 @@ never strings.
 """
 
 import functools
-import importlib.metadata
 
 from packaging.version import InvalidVersion, Version
 
@@ -44,6 +43,8 @@ def transformers_version():
     Raises :class:`~tfcompat.errors.UnsupportedTransformersError` when transformers
     is not installed.
     """
+    import importlib.metadata  # lazily: it costs ~20 ms, and `import tfcompat` must stay cheap
+
     try:
         raw = importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:

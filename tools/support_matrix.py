@@ -1,0 +1,36 @@
+"""Build the README's support table from the reports the tox matrix wrote.
+
+    python tools/support_matrix.py .tox/reports > matrix.md
+
+A cell is "yes" when every capability of that family resolved on that release, "-" when the
+release does not ship the family, and "no" when something failed to resolve.
+"""
+
+import json
+import pathlib
+import sys
+
+from packaging.version import Version
+
+
+def main(folder):
+    docs = [json.loads(p.read_text()) for p in sorted(pathlib.Path(folder).glob("*.json"))]
+    docs = sorted((d for d in docs if d.get("transformers")), key=lambda d: Version(d["transformers"]))
+    families = []
+    for d in docs:
+        for r in d["resolutions"]:
+            fam = r["capability"].split(":")[1]
+            if fam not in families:
+                families.append(fam)
+    print("| family | " + " | ".join(d["transformers"] for d in docs) + " |")
+    print("|---|" + "---|" * len(docs))
+    for fam in families:
+        cells = []
+        for d in docs:
+            mine = [r for r in d["resolutions"] if r["capability"].endswith(":" + fam)]
+            cells.append("-" if not mine else "yes" if all(r["impl"] != "unsupported" for r in mine) else "no")
+        print(f"| {fam} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else ".tox/reports")
