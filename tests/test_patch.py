@@ -162,3 +162,22 @@ def test_three_row_ids_of_a_packed_row_are_refused():
 def test_unsupported_model():
     with pytest.raises(UnsupportedTransformersError, match="cannot tell the model family"):
         tfcompat.patch(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen2_vl"])
+def test_sliding_window_layers(name):
+    """Qwen2 with every layer windowed (window 3): packed + window == upstream eager on the padded batch."""
+    if name not in FAMILIES:
+        pytest.skip("not in this release")
+    model = tiny_model(name, use_sliding_window=True, sliding_window=3, max_window_layers=0,
+                       attn_implementation="eager")
+    plain = tiny_model(name, attn_implementation="eager")
+    ids, mask = padded([tiny_sequence(name, text=9), tiny_sequence(name, text=6)])
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        if torch.allclose(ref, plain(input_ids=ids, attention_mask=mask, use_cache=False).logits):
+            pytest.skip("this release ignores the sliding window of this model")
+        pk = pack(ids, mask, vision=SPECS[name].vision)
+        tfcompat.patch(model)
+        got = unpack(model(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False).logits, pk)
+    _close(got[mask.bool()], ref[mask.bool()], f"{name} sliding window")
