@@ -132,8 +132,8 @@ class _Rope(torch.autograd.Function):
         return grad_in, None, None, None, None
 
 
-class _RopeInplace(torch.autograd.Function):
-    """In-place rotation of x (marked dirty); backward = inverse rotation."""
+class _RopeInplace(_Rope):
+    """In-place rotation of x (marked dirty); the backward (inverse rotation) is _Rope's."""
 
     @staticmethod
     def forward(ctx, x, cos, sin, trig, seq_dim):
@@ -141,12 +141,6 @@ class _RopeInplace(torch.autograd.Function):
         ctx.mark_dirty(x)
         ctx.trig, ctx.seq_dim = trig, seq_dim
         return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad_in = torch.empty_like(grad)
-        _run(grad, grad_in, ctx.trig.inverse(), ctx.seq_dim)
-        return grad_in, None, None, None, None
 
 
 def composite(x, trig):
