@@ -135,3 +135,56 @@ def test_fsdp_with_a_text_only_rank():
     if not hasattr(fsdp, "fully_shard"):
         pytest.skip("this torch has no FSDP2 fully_shard")
     spawn(_ddp_worker, 2, "qwen2_vl", "fsdp")
+
+
+def _ulysses_vision_worker(rank, world, name):
+    from tfcompat.ulysses import slice_inputs
+
+    from _models import tiny_pixels as pixels_for
+
+    # the image tokens of the second sequence straddle the two ranks' slices
+    rows = [tiny_sequence(name, text=4), tiny_sequence(name, text=5, image=True)]
+    ids, mask = padded(rows)
+    pixels = pixels_for(1)
+
+    def embeddings(model):
+        pos3, _ = rope_index(model, ids, image_grid_thw=pixels["image_grid_thw"], attention_mask=mask)
+        pk = pack(ids, mask, pos3)
+        res = get_input_embeds(model, pk.input_ids, **pixels)
+        extra = {}
+        if res.deepstack_visual_embeds is not None:
+            extra = dict(visual_pos_masks=res.visual_pos_masks, deepstack_visual_embeds=res.deepstack_visual_embeds)
+        return pk, res.inputs_embeds, extra
+
+    ref = tiny_model(name)
+    tfcompat.patch(ref)
+    pk, embeds, extra = embeddings(ref)
+    total = pk.input_ids.shape[1]
+    want = text_model(ref)(inputs_embeds=embeds, position_ids=pk.position_ids, use_cache=False, **extra)[0]
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
+    (want * weights).sum().backward()
+
+    model = tiny_model(name)
+    tfcompat.patch(model, ulysses_group=dist.group.WORLD)
+    _, embeds, extra = embeddings(model)
+    local = slice_inputs(embeds, pk.position_ids, **extra)
+    if "visual_pos_masks" in local:
+        assert 0 < int(local["visual_pos_masks"].sum()) < 4, "the test must split the image across ranks"
+    hidden = text_model(model)(use_cache=False, **local)[0]
+    got = gather_from_ranks(hidden, dim=1, length=total)
+    (got * weights).sum().backward()
+    _close(got.detach(), want.detach(), f"rank {rank} hidden")
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if q.grad is None:
+            continue
+        grad = p.grad.clone()
+        dist.all_reduce(grad)
+        _close(grad, q.grad, f"rank {rank} grad {n}")
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_vl"])
+def test_ulysses_with_images_and_deepstack(name):
+    """Embeddings on the full row, then each rank keeps its slice (Qwen3-VL: of the deepstack rows too)."""
+    if name not in HAVE:
+        pytest.skip("not in this release")
+    spawn(_ulysses_vision_worker, 2, name)

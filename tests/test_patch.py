@@ -122,7 +122,8 @@ def test_patch_twice_and_two_models(name):
         ref_b = b(input_ids=ids, attention_mask=mask, use_cache=False).logits
     assert torch.equal(once, twice)
     _close(unpack(once, pk)[mask.bool()], ref_b[mask.bool()], "patched a vs padded b")
-    assert not any("_tfcompat_patch" in m.__dict__ for m in b.modules()), "patching a touched b"
+    assert not any("_tfcompat_patch" in m.__dict__ or "_tfcompat_model" in m.__dict__ for m in b.modules()), \
+        "patching a touched b"
 
 
 @pytest.mark.parametrize("name", ["qwen2_vl", "qwen3"])
@@ -181,3 +182,23 @@ def test_sliding_window_layers(name):
         tfcompat.patch(model)
         got = unpack(model(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False).logits, pk)
     _close(got[mask.bool()], ref[mask.bool()], f"{name} sliding window")
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen2_vl", "qwen3_5"])
+def test_bare_text_model(name):
+    """patch() also takes the bare decoder stack (what some frameworks hold)."""
+    if name not in FAMILIES:
+        pytest.skip("not in this release")
+    from _models import text_model
+
+    lm = tiny_model(name)
+    bare = text_model(lm)
+    ids, mask = padded([tiny_sequence(name, text=8), tiny_sequence(name, text=5)])
+    with torch.no_grad():
+        ref = bare(input_ids=ids, attention_mask=mask, use_cache=False)[0]
+        pk = pack(ids, mask, vision=SPECS[name].vision)
+        record = tfcompat.patch(bare)
+        assert record.attention_modules >= 1
+        got = unpack(bare(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False)[0], pk)
+        assert tfcompat.unpatch(bare)
+    _close(got[mask.bool()], ref[mask.bool()], f"bare {name}")

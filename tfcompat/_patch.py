@@ -31,7 +31,8 @@ from .errors import TfcompatError, UnsupportedTransformersError
 
 __all__ = ["patch", "unpatch", "PatchRecord"]
 
-_ATTR = "_tfcompat_patch"
+_ATTR = "_tfcompat_patch"          # per patched module: its _State
+_MODEL_ATTR = "_tfcompat_model"    # per model passed to patch(): its _ModelState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,7 +326,7 @@ def patch(model, *, remove_padding=True, ulysses_group=None):
     """
     config = getattr(model, "config", None)
     fam = _family(config if config is not None else model)
-    existing = getattr(model, _ATTR, None)
+    existing = model.__dict__.get(_MODEL_ATTR)
     if existing is not None:
         if existing.remove_padding == remove_padding and existing._group is ulysses_group:
             return existing.record
@@ -380,7 +381,7 @@ def patch(model, *, remove_padding=True, ulysses_group=None):
             _install(m, _linear_forward, make_state(m, _linear_forward))
     record = PatchRecord(fam.name, text_cls.__name__, len(attentions), len(linears), remove_padding, world,
                          resolutions)
-    model.__dict__[_ATTR] = _ModelState(record, remove_padding, ulysses_group)
+    model.__dict__[_MODEL_ATTR] = _ModelState(record, remove_padding, ulysses_group)
     return record
 
 
@@ -393,7 +394,7 @@ class _ModelState:
 
 def unpatch(model):
     """Undo :func:`patch`: every patched module gets its original forward back. Returns True if it was patched."""
-    state = model.__dict__.pop(_ATTR, None)
+    state = model.__dict__.pop(_MODEL_ATTR, None)
     for m in model.modules():
         if _ATTR in m.__dict__ and isinstance(m.__dict__[_ATTR], _State):
             _uninstall(m)

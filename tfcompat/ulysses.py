@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .errors import TfcompatError
 
 __all__ = ["UlyssesError", "gather_seq_scatter_heads", "gather_heads_scatter_seq", "slice_for_rank",
-           "gather_from_ranks", "repeat_kv_for_group", "padded_length"]
+           "gather_from_ranks", "repeat_kv_for_group", "padded_length", "slice_inputs"]
 
 
 class UlyssesError(TfcompatError, ValueError):
@@ -137,3 +137,34 @@ def gather_from_ranks(x, dim=1, group=None, length=None):
     """Concatenate every rank's slice along ``dim`` (and drop padding beyond ``length``)."""
     out = _Gather.apply(x, dim, group)
     return out if length is None else out.narrow(dim, 0, length)
+
+
+def slice_inputs(inputs_embeds, position_ids, *, visual_pos_masks=None, deepstack_visual_embeds=None, group=None):
+    """This rank's share of a packed row, for the text decoder stack of a patched model.
+
+    Args:
+        inputs_embeds: (1, total, hidden), e.g. from :func:`tfcompat.embeds.get_input_embeds` on the full row.
+        position_ids: (1, total), or (3 or 4, 1, total).
+        visual_pos_masks, deepstack_visual_embeds: Qwen3-VL's mask of vision tokens (1, total) and the
+            per-layer features of those tokens (num_visual, hidden); each rank keeps the rows of the
+            vision tokens that fall in its slice.
+
+    Returns:
+        a dict with the same keys, sliced (padded at the end to a multiple of the group size), ready to
+        pass as keyword arguments to the text model. Gradients flow back to the full tensors.
+    """
+    p, rank = _size(group), dist.get_rank(group)
+    out = {
+        "inputs_embeds": slice_for_rank(inputs_embeds, dim=1, group=group),
+        "position_ids": slice_for_rank(position_ids, dim=position_ids.dim() - 1, group=group),
+    }
+    if visual_pos_masks is not None:
+        local = slice_for_rank(visual_pos_masks, dim=1, group=group, pad_value=False)
+        step = local.shape[1]
+        before = int(visual_pos_masks[:, : rank * step].sum())
+        count = int(local.sum())
+        out["visual_pos_masks"] = local
+        if deepstack_visual_embeds is not None:
+            out["deepstack_visual_embeds"] = [d.narrow(0, before, count) for d in deepstack_visual_embeds]
+    del p
+    return out
