@@ -55,5 +55,21 @@ def three_d_positions(model, ids, mask, pixels):
     return pos
 
 
-__all__ = ["padded", "forward_kwargs", "capture_text_model_inputs", "three_d_positions", "tiny_model",
+__all__ = ["run_upstream", "padded", "forward_kwargs", "capture_text_model_inputs", "three_d_positions", "tiny_model",
            "tiny_pixels", "tiny_sequence", "text_model"]
+
+
+def run_upstream(fn):
+    """Run the upstream oracle; skip where this release's own forward is known to be broken."""
+    import pytest
+
+    from tfcompat.version import is_transformers_version_in_range
+
+    try:
+        return fn()
+    except ValueError as exc:
+        if "Video features and video tokens do not match: tokens: 0" in str(exc) and \
+                is_transformers_version_in_range("4.54.0", "4.54.1"):
+            pytest.skip("transformers 4.54.x Qwen2-VL counts video tokens with image_token_id (upstream bug; "
+                        "tfcompat.embeds is not affected)")
+        raise

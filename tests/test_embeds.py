@@ -7,7 +7,7 @@ from tfcompat._families import FAMILIES as SPECS
 from tfcompat.embeds import EmbedsError, get_input_embeds, rope_index, unpack_visual_output
 
 from _helpers import installed
-from _models import capture_text_model_inputs, forward_kwargs, tiny_model, tiny_pixels, tiny_sequence
+from _models import capture_text_model_inputs, forward_kwargs, run_upstream, tiny_model, tiny_pixels, tiny_sequence
 
 VISION = [n for n in installed() if SPECS[n].vision]
 CASES = {"image": (1, 0), "video": (0, 1), "both": (1, 1), "neither": (0, 0)}
@@ -26,8 +26,8 @@ def test_get_input_embeds_equals_the_model_forward(name, case):
         pytest.skip("GLM-4V's own forward cannot take images and videos together (same placeholder token)")
     model = tiny_model(name)
     ids, pixels = _batch(name, images, videos)
-    seen = capture_text_model_inputs(model, input_ids=ids, attention_mask=torch.ones_like(ids),
-                                     **forward_kwargs(model, ids, **pixels))
+    seen = run_upstream(lambda: capture_text_model_inputs(model, input_ids=ids, attention_mask=torch.ones_like(ids),
+                                                          **forward_kwargs(model, ids, **pixels)))
     got = get_input_embeds(model, ids, **pixels)
     assert torch.equal(got.inputs_embeds, seen["inputs_embeds"])
     assert got.used_dummy == (case == "neither")

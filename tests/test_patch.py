@@ -10,7 +10,7 @@ from tfcompat.packing import pack, packed, unpack
 from tfcompat.varlen import PackingError
 
 from _helpers import installed
-from _models import forward_kwargs, padded, three_d_positions, tiny_model, tiny_pixels, tiny_sequence
+from _models import forward_kwargs, padded, run_upstream, three_d_positions, tiny_model, tiny_pixels, tiny_sequence
 
 FAMILIES = [n for n in installed() if n not in ("llama", "glm")]
 VISION = [n for n in FAMILIES if SPECS[n].vision]
@@ -55,7 +55,8 @@ def test_packed_patched_equals_padded_unpatched(name, case):
     model, ids, mask, pixels = _padded_and_packed(name, case)
     g = torch.Generator().manual_seed(7)
 
-    ref = _run(model, None, mask, input_ids=ids, attention_mask=mask, **forward_kwargs(model, ids, **pixels))
+    ref = run_upstream(lambda: _run(model, None, mask, input_ids=ids, attention_mask=mask,
+                                    **forward_kwargs(model, ids, **pixels)))
     weights = torch.randn(ref.shape, generator=g)
     (ref * weights * mask[..., None]).sum().backward()
     ref_grads = _grads(model)
