@@ -1,8 +1,8 @@
 """Apply rotary position embeddings exactly as the installed transformers' attention does.
 
-    from tfcompat.rope import apply_rope
-    cos, sin = position_embeddings          # what the model's text rotary module returned
-    q, k = apply_rope(q, k, cos, sin, config=self.config)
+    >>> from tfcompat.rope import apply_rope                  # doctest: +SKIP
+    >>> cos, sin = position_embeddings   # what the model's text rotary module returned
+    >>> q, k = apply_rope(q, k, cos, sin, config=self.config)
 
 Shapes: q, k are (batch, heads, seq, head_dim) with ``unsqueeze_dim=1`` (or
 (batch, seq, heads, head_dim) with ``unsqueeze_dim=2``); cos, sin are
