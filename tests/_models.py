@@ -68,7 +68,7 @@ def run_upstream(fn):
     try:
         return fn()
     except ValueError as exc:
-        if "Video features and video tokens do not match: tokens: 0" in str(exc) and \
+        if "Video features and video tokens do not match" in str(exc) and \
                 is_transformers_version_in_range("4.54.0", "4.54.1"):
             pytest.skip("transformers 4.54.x Qwen2-VL counts video tokens with image_token_id (upstream bug; "
                         "tfcompat.embeds is not affected)")
