@@ -30,7 +30,7 @@ def test_report_resolves_everything():
     bad = [r for r in records if r.impl == "unsupported"]
     assert not bad, bad
     kinds = {r.capability.split(":")[0] for r in records}
-    assert {"rope.apply", "rope.init"} <= kinds
+    assert {"rope.apply", "rope.init", "attention.signature"} <= kinds
     for r in records:
         assert r.transformers == str(transformers_version())
         assert r.reason and r.source.startswith("transformers.")

@@ -61,7 +61,7 @@ def _resolve_attention(fam, capability):
     text_src = _resolve._source(getattr(module, text_model).forward)
     four = bool(re.search(r"shape\[0\]\s*==\s*4", text_src))
     linear = f"{fam.prefix}GatedDeltaNet" if hasattr(module, f"{fam.prefix}GatedDeltaNet") else ""
-    reason = (f"{fam.attention}.forward{sig}: returns a {returns}-tuple; {text_model}.forward "
+    reason = (f"{fam.attention}.forward({', '.join(params)}) returns a {returns}-tuple; {text_model}.forward "
               f"{'splits 4-row position ids' if four else 'takes 3-row position ids only (tfcompat strips the text row)' if fam.vision else 'takes 2-D position ids'}")
     plan = AttentionPlan(params, varkw, returns, text_model, four, linear)
     return _resolve.Resolution(capability, "bundled", f"{module.__name__}.{fam.attention}.forward",

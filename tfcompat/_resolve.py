@@ -242,6 +242,8 @@ def report(families=None):
     Capabilities that cannot be resolved are reported as a Resolution with impl
     ``"unsupported"`` and the error text as reason, so one gap does not hide the rest.
     """
+    from . import _patch  # noqa: F401  (registers the attention resolver)
+
     names = installed_families() if families is None else [_family(f).name for f in families]
     out = []
     for name in names:
