@@ -67,6 +67,11 @@ def run_upstream(fn):
 
     try:
         return fn()
+    except StopIteration:
+        if is_transformers_version_in_range("5.3.0", "5.5.3"):
+            pytest.skip("this release's Qwen3-VL/Qwen3.5 forward cannot position multi-frame videos (upstream bug "
+                        "in get_rope_index; tfcompat.embeds.rope_index splits the grid per frame)")
+        raise
     except ValueError as exc:
         if "Video features and video tokens do not match" in str(exc) and \
                 is_transformers_version_in_range("4.54.0", "4.54.1"):

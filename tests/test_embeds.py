@@ -100,3 +100,15 @@ def test_unpack_visual_output_shapes():
     assert e.shape == (6, 8) and d is None
     with pytest.raises(EmbedsError, match="cannot read dict"):
         unpack_visual_output({"x": a})
+
+
+@pytest.mark.parametrize("name", [n for n in VISION if SPECS[n].mrope == "interleaved"])
+def test_rope_index_of_multi_frame_videos(name):
+    """Qwen3-VL/Qwen3.5: a (2, h, w) video grid positions like two (1, h, w) frames, on every release."""
+    model = tiny_model(name)
+    ids, pixels = _batch(name, 0, 1)
+    whole, _ = rope_index(model, ids, video_grid_thw=pixels["video_grid_thw"])
+    frames, _ = rope_index(model, ids, video_grid_thw=torch.tensor([[1, 4, 4], [1, 4, 4]]))
+    assert torch.equal(whole, frames)
+    video = ids[0] == model.config.video_token_id
+    assert whole[1, 0][video].tolist() != whole[0, 0][video].tolist(), "video tokens must get 3-D positions"

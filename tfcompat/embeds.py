@@ -244,6 +244,14 @@ def _deepstack(parts):
 
 
 # ------------------------------------------------------------------------------ rope index
+def _splits_frames(fn):
+    """Whether this release's get_rope_index splits video grids per frame itself (probed in its source)."""
+    from ._resolve import _source
+
+    body = _source(fn)
+    return "repeat_interleave(video_grid_thw" in body or "video" not in body
+
+
 def rope_index(model, input_ids, *, image_grid_thw=None, video_grid_thw=None, attention_mask=None,
                mm_token_type_ids=None, **kwargs):
     """``(position_ids (3, batch, seq), rope_deltas (batch, 1))`` from the model's own ``get_rope_index``.
@@ -259,6 +267,14 @@ def rope_index(model, input_ids, *, image_grid_thw=None, video_grid_thw=None, at
         raise UnsupportedTransformersError(f"rope_index: {type(model).__name__} has no get_rope_index (looked on "
                                            f".model and the model itself)")
     params = inspect.signature(fn).parameters
+    if video_grid_thw is not None and _family(model.config).mrope == "interleaved" and not _splits_frames(fn):
+        # Qwen3-VL / Qwen3.5 give each video frame its own vision block; get_rope_index of 5.3.x
+        # consumes one grid row per block but does not split the grid per frame (later releases
+        # do it themselves): split it here, (t, h, w) -> t x (1, h, w)
+        import torch
+
+        video_grid_thw = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)
+        video_grid_thw = torch.cat((torch.ones_like(video_grid_thw[:, :1]), video_grid_thw[:, 1:]), dim=1)
     call = dict(image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw, attention_mask=attention_mask)
     call.update(kwargs)
     if "mm_token_type_ids" in params:
