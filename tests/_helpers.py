@@ -10,9 +10,11 @@ from tfcompat._families import FAMILIES
 from tfcompat.config import text_config
 from tfcompat.testing import tiny_config
 
-# Tolerances from the dtype: fp32 results agree to a few ulp (FMA vs separate multiply-add);
-# bf16 to one rounding of the 8-bit mantissa (2**-8 relative) on values of order 1.
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2**-7, atol=2**-7)}
+# Tolerances from the dtype: fp32 results agree to a few ulp (FMA vs separate multiply-add).
+# bf16: upstream rounds each product and the sum to bf16 (three roundings), native rounds once, so
+# they differ by up to ~2 roundings (2**-8 relative each) of the largest *terms*, which can exceed
+# the result when the terms cancel: terms reach |x| ~ 4 here, hence atol 2**-6 on top of rtol.
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2**-7, atol=2**-6)}
 
 
 def installed():

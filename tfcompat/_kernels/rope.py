@@ -18,7 +18,8 @@ so nothing of the size of x is saved:
 
 GPT-J pairs with c1 == c2 and s1 == s2 (always, for cos/sin from a rotary module) are a
 complex multiplication by ``c + i s``: one pass over memory (fp32/fp64), or three
-in-cache passes through fp32 for bf16/fp16.
+in-cache passes through fp32 for bf16/fp16. Half-precision NeoX slices are also computed
+in fp32 in cache and written back once.
 
 Every kernel walks the sequence in slices of ~64k elements so that a slice's
 intermediates stay in L2: the big tensor crosses main memory about once per direction
@@ -28,8 +29,9 @@ the rest of the cost; the in-place variant has none.
 
 import torch
 
-# Elements of x per slice: a slice of x, of the output and one temporary fit in a 2 MiB L2.
-_SLICE_ELEMENTS = 1 << 16
+# Elements of x per slice (1 MiB of fp32): big enough that per-op dispatch stays small next to
+# the work, small enough that a slice, its output and the temporaries stay in L2/L3.
+_SLICE_ELEMENTS = 1 << 18
 
 
 def _parts(x, rotation, rd):
@@ -60,10 +62,17 @@ class Trig:
         else:
             self.parts = (cos[..., 0::2], sin[..., 0::2], cos[..., 1::2], sin[..., 1::2])
         c1, s1, c2, s2 = self.parts
+        self._parts32 = None
         self.freqs = None
         if rotation == "gptj" and probe_pairs and (c1 is c2 or (torch.equal(c1, c2) and torch.equal(s1, s2))):
             self.freqs = torch.complex(c1.float(), s1.float()) if c1.dtype != torch.float64 else torch.complex(c1, s1)
         self._inverse = None
+
+    @property
+    def parts32(self):
+        if self._parts32 is None:
+            self._parts32 = tuple(p.float() for p in self.parts)
+        return self._parts32
 
     def inverse(self):
         if self._inverse is None:
@@ -72,6 +81,7 @@ class Trig:
             c1, s1, c2, s2 = self.parts
             # da = ga*c1 + gb*s2 ; db = gb*c2 - ga*s1: the forward kernel with s1 <- -s2, s2 <- -s1
             inv.parts = (c1, -s2, c2, -s1)
+            inv._parts32 = None
             inv.freqs = None if self.freqs is None else self.freqs.conj().resolve_conj()
             self._inverse = inv
         return self._inverse
@@ -104,9 +114,21 @@ def _run(x, out, trig, seq_dim):
             _complex_view(t, rd).mul_(_narrow(trig.freqs, seq_dim, lo, n))
             os_[..., :rd].copy_(t)
             continue
+        oa, ob = _parts(os_, rotation, rd)
+        if x.dtype in (torch.bfloat16, torch.float16):
+            # half precision: compute the slice in fp32 in cache (faster than half-precision ops on
+            # CPU, and one rounding instead of upstream's three), then write it back once
+            c1, s1, c2, s2 = (_narrow(p, seq_dim, lo, n) for p in trig.parts32)
+            a, b = _parts(xs[..., :rd].float(), rotation, rd)
+            ra = a * c1
+            ra.addcmul_(b, s1, value=-1)
+            rb = b * c2
+            rb.addcmul_(a, s2)
+            oa.copy_(ra)
+            ob.copy_(rb)
+            continue
         c1, s1, c2, s2 = (_narrow(p, seq_dim, lo, n) for p in trig.parts)
         a, b = _parts(xs, rotation, rd)
-        oa, ob = _parts(os_, rotation, rd)
         if inplace:
             a = a.clone()  # out_b needs the old a after out_a overwrote it
         torch.mul(a, c1, out=oa)
