@@ -16,6 +16,12 @@ from packaging.version import Version
 def main(folder):
     docs = [json.loads(p.read_text()) for p in sorted(pathlib.Path(folder).glob("*.json"))]
     docs = sorted((d for d in docs if d.get("transformers")), key=lambda d: Version(d["transformers"]))
+    seen, unique = set(), []
+    for d in docs:  # the canary may have run the same release as the newest pinned environment
+        if d["transformers"] not in seen:
+            seen.add(d["transformers"])
+            unique.append(d)
+    docs = unique
     families = []
     for d in docs:
         for r in d["resolutions"]:
