@@ -15,6 +15,7 @@
 """
 
 import dataclasses
+import functools
 import inspect
 
 from ._families import family as _family
@@ -246,9 +247,14 @@ def _deepstack(parts):
 # ------------------------------------------------------------------------------ rope index
 def _splits_frames(fn):
     """Whether this release's get_rope_index splits video grids per frame itself (probed in its source)."""
+    return _splits_frames_of(getattr(fn, "__func__", fn))
+
+
+@functools.lru_cache(maxsize=None)
+def _splits_frames_of(function):
     from ._resolve import _source
 
-    body = _source(fn)
+    body = _source(function)
     return "repeat_interleave(video_grid_thw" in body or "video" not in body
 
 
