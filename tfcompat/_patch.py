@@ -368,17 +368,17 @@ def patch(model, *, remove_padding=True, ulysses_group=None):
             f"{resolutions[0].transformers}"
         )
 
-    def make_state(m, fn):
+    def make_state(m):
         sig = inspect.signature(inspect.unwrap(type(m).forward))
         return _State(fam.name, plan, rope_plan, section, ulysses_group, world, sig, None)
 
     for m in texts:
-        _install(m, _text_model_forward, make_state(m, _text_model_forward))
+        _install(m, _text_model_forward, make_state(m))
     if remove_padding or ulysses_group is not None:
         for m in attentions:
-            _install(m, _attention_forward, make_state(m, _attention_forward))
+            _install(m, _attention_forward, make_state(m))
         for m in linears:
-            _install(m, _linear_forward, make_state(m, _linear_forward))
+            _install(m, _linear_forward, make_state(m))
     record = PatchRecord(fam.name, text_cls.__name__, len(attentions), len(linears), remove_padding, world,
                          resolutions)
     model.__dict__[_MODEL_ATTR] = _ModelState(record, remove_padding, ulysses_group)

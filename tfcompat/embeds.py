@@ -67,8 +67,7 @@ def unpack_visual_output(output):
         deep = getattr(output, "deepstack_features", None)
         return _cat(pooled), None if deep is None else [_cat(d) for d in deep]
     if isinstance(output, (tuple, list)):
-        if len(output) == 2 and isinstance(output[1], (tuple, list)) and not isinstance(output[0], torch.Tensor) \
-                or len(output) == 2 and isinstance(output[0], torch.Tensor) and isinstance(output[1], (tuple, list)):
+        if len(output) == 2 and isinstance(output[1], (tuple, list)):
             # 4.x Qwen3-VL: (embeds or per-image tuple, [deepstack per layer])
             embeds, deep = output
             return _cat(embeds), [_cat(d) for d in deep]
@@ -137,13 +136,8 @@ def mm_token_type_ids(model, input_ids):
 
 
 def _masks(model, input_ids):
-    config = model.config
-    fam = _family(config)
-    if fam.name in ("glm4v", "glm4v_moe"):
-        in_video = _video_segments(input_ids, config.video_start_token_id, config.video_end_token_id)
-        token = input_ids == config.image_token_id
-        return token & ~in_video, token & in_video
-    return input_ids == config.image_token_id, input_ids == config.video_token_id
+    types = mm_token_type_ids(model, input_ids)
+    return types == 1, types == 2
 
 
 def dummy_visual_inputs(model):

@@ -57,36 +57,28 @@ def _heads_to_seq(x, group):
     return out.transpose(0, 1).reshape(total // p, p * hp, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """Sequence <-> heads all-to-all; the backward runs the opposite direction."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
+    def forward(ctx, x, group, to_heads):
+        ctx.group, ctx.to_heads = group, to_heads
+        return _seq_to_heads(x, group) if to_heads else _heads_to_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.group), None
+        back = _heads_to_seq(grad, ctx.group) if ctx.to_heads else _seq_to_heads(grad, ctx.group)
+        return back, None, None
 
 
 def gather_seq_scatter_heads(x, group=None):
     """(s_local, heads, d) on each rank -> (s_local * P, heads / P, d)."""
-    return _SeqToHeads.apply(x, group)
+    return _AllToAll.apply(x, group, True)
 
 
 def gather_heads_scatter_seq(x, group=None):
     """(s_local * P, heads / P, d) -> (s_local, heads, d); the inverse of :func:`gather_seq_scatter_heads`."""
-    return _HeadsToSeq.apply(x, group)
+    return _AllToAll.apply(x, group, False)
 
 
 def repeat_kv_for_group(k, group_size):
@@ -153,7 +145,7 @@ def slice_inputs(inputs_embeds, position_ids, *, visual_pos_masks=None, deepstac
         a dict with the same keys, sliced (padded at the end to a multiple of the group size), ready to
         pass as keyword arguments to the text model. Gradients flow back to the full tensors.
     """
-    p, rank = _size(group), dist.get_rank(group)
+    rank = dist.get_rank(group)
     out = {
         "inputs_embeds": slice_for_rank(inputs_embeds, dim=1, group=group),
         "position_ids": slice_for_rank(position_ids, dim=position_ids.dim() - 1, group=group),
@@ -166,5 +158,4 @@ def slice_inputs(inputs_embeds, position_ids, *, visual_pos_masks=None, deepstac
         out["visual_pos_masks"] = local
         if deepstack_visual_embeds is not None:
             out["deepstack_visual_embeds"] = [d.narrow(0, before, count) for d in deepstack_visual_embeds]
-    del p
     return out
