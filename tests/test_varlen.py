@@ -57,7 +57,7 @@ def test_fallback_matches_per_sequence_attention(window):
 
 def test_bad_boundaries_and_shapes():
     q = torch.zeros(6, 2, 4)
-    with pytest.raises(PackingError, match="cu_seqlens runs from 0 to 5 but q has 6 tokens"):
+    with pytest.raises(PackingError, match="boundaries run from 0 to 5 but the row has 6 tokens"):
         varlen_attention(q, q, q, torch.tensor([0, 5], dtype=torch.int32))
     with pytest.raises(PackingError, match="3 query heads are not a multiple of 2 kv heads"):
         varlen_attention(torch.zeros(6, 3, 4), q, q, torch.tensor([0, 6], dtype=torch.int32))

@@ -3,77 +3,54 @@
 What gets patched, on the model *instance* (never the class, so two models in one process
 do not interfere):
 
-* the text decoder stack's forward: reads sequence boundaries once per step (from
-  ``cu_seq_lens_q`` keyword arguments, or the text row of 4-row position ids, or 2-D ids
-  that restart), all-gathers them over the Ulysses group, and hands them to the layers; on
-  releases whose text model predates 4-row position ids it strips the text row;
+* the text decoder stack's forward: decides once per step whether the row is packed and
+  where its sequences begin (see "boundaries" below), checks what the packed path cannot
+  serve, and on releases whose text model predates 4-row position ids strips the text row;
+* its rotary module: in a packed step, the ``(cos, sin)`` it returns is a tuple that also
+  carries the step's boundaries (:class:`_Carried`). Decoder layers hand that tuple down
+  unchanged, and activation-checkpoint recomputation replays the layer call with the same
+  tuple, so boundaries travel *with the call*, never through state recomputation cannot see;
+* every decoder layer: reads the boundaries from its arguments and scopes them to its own
+  call (first pass and recomputation alike), for the layers below it;
 * every text attention module: projections, q/k norms, Qwen3.5's gated query, RoPE through
-  :func:`~tfcompat.rope.apply_rope_` (in place on the fresh projections), Ulysses
-  all-to-all, :func:`~tfcompat.varlen.varlen_attention`, output projection, returned in the
-  arity this release's decoder layer expects;
-* Qwen3.5's Gated DeltaNet layers: run per packed sequence, so no recurrent state leaks
-  from one sequence into the next.
+  :func:`~tfcompat.rope.apply_rope_`, Ulysses all-to-all,
+  :func:`~tfcompat.varlen.varlen_attention`, output projection, in this release's arity;
+* Qwen3.5's Gated DeltaNet layers: run per packed sequence, so no recurrent state leaks.
 
-Anything the patched forwards do not handle (a KV cache, ``output_attentions``, a padded
-batch with no packing) falls through to the original forward unchanged.
+Boundaries, explicit first: ``cu_seq_lens_q`` (+ ``max_length_q``) keyword arguments (what
+transformers' flattening collator produces), :func:`tfcompat.packing.packed`, the text row of
+4-row position ids, 2-D text ids where a sequence starts at position 0 (transformers' own
+rule). An mRoPE temporal row is never read as boundaries. Each source is validated once per
+step; the per-layer code does no host sync.
+
+Fail closed: a packed row (or any Ulysses step) either runs the patched path or raises a
+:class:`~tfcompat.errors.TfcompatError`; nothing that could be packed is handed to upstream.
 """
 
+import copy
 import dataclasses
-import importlib
 import inspect
-import re
-import types
+import threading
 
 from . import _resolve
 from . import packing as _packing
 from ._families import family as _family
-from .errors import TfcompatError, UnsupportedTransformersError
+from .errors import PackingError, TfcompatError, UlyssesError, UnsupportedTransformersError
 
 __all__ = ["patch", "unpatch", "PatchRecord"]
 
 _ATTR = "_tfcompat_patch"          # per patched module: its _State
-_MODEL_ATTR = "_tfcompat_model"    # per model passed to patch(): its _ModelState
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionPlan:
-    params: tuple
-    varkw: str
-    returns: int
-    text_model: str
-    four_row_ids: bool
-    linear_attention: str
-
-
-def _resolve_attention(fam, capability):
-    module = _resolve._modeling(fam, capability)
-    attention = _resolve._attr(module, fam.attention, capability)
-    fn = inspect.unwrap(attention.forward)
-    sig = inspect.signature(fn)
-    params = tuple(p for p in sig.parameters if p != "self")
-    varkw = next((p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD), "")
-    body = _resolve._source(fn)
-    returns = 3 if re.search(r"return\s+attn_output\s*,\s*attn_weights\s*,\s*past_key_value", body) else 2
-    text_model = next((n for n in (f"{fam.prefix}TextModel", f"{fam.prefix}Model") if hasattr(module, n)), "")
-    if not text_model:
-        raise UnsupportedTransformersError(f"{capability}: no {fam.prefix}TextModel / {fam.prefix}Model in "
-                                           f"{module.__name__}")
-    text_src = _resolve._source(getattr(module, text_model).forward)
-    four = bool(re.search(r"shape\[0\]\s*==\s*4", text_src))
-    linear = f"{fam.prefix}GatedDeltaNet" if hasattr(module, f"{fam.prefix}GatedDeltaNet") else ""
-    reason = (f"{fam.attention}.forward({', '.join(params)}) returns a {returns}-tuple; {text_model}.forward "
-              f"{'splits 4-row position ids' if four else 'takes 3-row position ids only (tfcompat strips the text row)' if fam.vision else 'takes 2-D position ids'}")
-    plan = AttentionPlan(params, varkw, returns, text_model, four, linear)
-    return _resolve.Resolution(capability, "bundled", f"{module.__name__}.{fam.attention}.forward",
-                               reason, str(_resolve._version.transformers_version()), plan, module)
-
-
-_resolve.register("attention.signature", _resolve_attention)
+_MODEL_ATTR = "_tfcompat_model"    # per model passed to patch(): its record
+_FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+_CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "cache_params")
 
 
 @dataclasses.dataclass(frozen=True)
 class PatchRecord:
-    """What :func:`patch` did."""
+    """What :func:`patch` did: the modules patched now, and the decisions it used.
+
+    .. versionadded:: 0.1.0
+    """
 
     family: str
     text_model: str
@@ -84,16 +61,84 @@ class PatchRecord:
     resolutions: tuple
 
 
-@dataclasses.dataclass
 class _State:
-    family: str
-    plan: object
-    rope_plan: object
-    section: tuple
-    group: object
-    world: int
-    signature: inspect.Signature
-    saved_forward: object
+    """Per patched module. Picklable and deep-copyable: a copy shares the (unpicklable) process group;
+    a pickled copy forgets it and asks to be patched again before a Ulysses step."""
+
+    def __init__(self, kind, family, remove_padding, group, world, saved_forward=None):
+        self.kind, self.family, self.remove_padding = kind, family, remove_padding
+        self.group, self.world, self.saved_forward = group, world, saved_forward
+        self.group_lost = False
+
+    def __deepcopy__(self, memo):
+        new = copy.copy(self)
+        new.saved_forward = copy.deepcopy(self.saved_forward, memo)
+        return new
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        if state["group"] is not None:
+            state["group"], state["group_lost"] = None, True
+        return state
+
+    def group_or_raise(self):
+        if self.group_lost:
+            raise UlyssesError(
+                f"tfcompat: this {self.family} model was patched for Ulysses and then pickled or saved; a process "
+                f"group cannot travel with it; call tfcompat.patch(model, ulysses_group=group) again after loading"
+            )
+        return self.group
+
+
+class _PatchedForward:
+    """What a patched module's ``forward`` is: a picklable callable bound to its module."""
+
+    def __init__(self, module, kind):
+        self.module, self.kind = module, kind
+
+    def __call__(self, *args, **kwargs):
+        return _FORWARDS[self.kind](self.module, *args, **kwargs)
+
+    def __repr__(self):
+        return f"<tfcompat patched {self.kind} forward of {type(self.module).__name__}>"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """Boundaries of one packed step, validated once: the per-layer code reads Python ints from here."""
+
+    cu: object            # int32 tensor (n + 1,) on the model's device
+    bounds: tuple         # the same as Python ints
+    max_len: int
+    total: int
+
+
+class _Carried(tuple):
+    """``(cos, sin)`` that also carries the step's boundaries down to the layers."""
+
+    step = None
+
+
+_scope = threading.local()
+
+
+def _scoped():
+    stack = getattr(_scope, "stack", None)
+    return stack[-1] if stack else None
+
+
+class _Scope:
+    def __init__(self, value):
+        self.value = value
+
+    def __enter__(self):
+        stack = getattr(_scope, "stack", None)
+        if stack is None:
+            stack = _scope.stack = []
+        stack.append(self.value)
+
+    def __exit__(self, *exc):
+        _scope.stack.pop()
 
 
 # ----------------------------------------------------------------------------------- helpers
@@ -103,92 +148,259 @@ def _original(module, state, *args, **kwargs):
     return type(module).forward(module, *args, **kwargs)
 
 
-def _arguments(state, module, args, kwargs):
+_SIGNATURES = {}
+
+
+def _signature(cls):
+    sig = _SIGNATURES.get(cls)
+    if sig is None:
+        sig = _SIGNATURES[cls] = inspect.signature(inspect.unwrap(cls.forward))
+    return sig
+
+
+def _arguments(module, args, kwargs):
+    sig = _signature(type(module))
     try:
-        bound = state.signature.bind(module, *args, **kwargs)
+        bound = sig.bind(module, *args, **kwargs)
     except TypeError:
         return None
     out = dict(bound.arguments)
     out.pop("self", None)
     for name, value in list(out.items()):
-        if state.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+        if sig.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
             out.pop(name)
             out.update(value)
     return out
 
 
-def _t_row_decreases(ids):
-    t = ids[0, 0]
-    return bool((t[1:] < t[:-1]).any())
+def _make_step(cu, total, max_len=None, what="boundaries"):
+    from .varlen import check_cu_seqlens
 
-
-def _boundaries(state, position_ids, extra):
-    """(cu_seqlens, max_seqlen) of the global sequence, or None; may return replacement ids."""
+    bounds = check_cu_seqlens(cu, total, what)
+    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    if max_len is not None and int(max_len) != longest:
+        raise PackingError(f"tfcompat: max_length_q is {int(max_len)} but the longest sequence of cu_seq_lens_q "
+                           f"{list(bounds)} has {longest} tokens; pass both from the same collator")
     import torch
 
-    from .varlen import cu_seqlens_from_position_ids
-
-    cu = extra.get("cu_seq_lens_q", extra.get("cumulative_seqlens_q"))
-    if cu is not None:
-        max_len = extra.get("max_length_q")
-        return (cu, int(max_len) if max_len is not None else None), position_ids
-    if position_ids is None:
-        return None, position_ids
-    text, replacement = None, position_ids
-    if position_ids.dim() == 3 and position_ids.shape[0] == 4:
-        text = position_ids[0]
-        if not state.plan.four_row_ids:
-            replacement = position_ids[1:]  # this release's text model predates the 4-row layout
-    elif position_ids.dim() == 2:
-        text = position_ids
-    elif position_ids.dim() == 3 and position_ids.shape[1] == 1 and _t_row_decreases(position_ids):
-        raise _packing_error(position_ids)
-    if text is None or text.shape[0] != 1:
-        return None, replacement
-    if state.group is not None:
-        from .ulysses import gather_from_ranks
-
-        text = gather_from_ranks(text, dim=1, group=state.group)
-    elif not bool((text[0, 1:] != text[0, :-1] + 1).any()):
-        return None, replacement  # one sequence: nothing to separate
-    return cu_seqlens_from_position_ids(text), replacement
+    return _Step(cu.to(torch.int32), bounds, longest, total)
 
 
-def _packing_error(ids):
-    from .varlen import PackingError
+def _starts(ids, valid, what):
+    """Python list of sequence starts in one row of text positions (transformers' rule: a sequence begins
+    where the position is 0). Positions that go down without restarting at 0 are refused."""
+    import torch
 
-    return PackingError(
-        f"tfcompat: position ids of shape {tuple(ids.shape)} hold several packed sequences (the temporal row "
-        f"restarts), but 3-row mRoPE ids cannot mark where each begins; pass 4-row ids "
-        f"(tfcompat.packing.pack builds them) or wrap the call in tfcompat.packing.packed(cu_seqlens)"
-    )
+    t = ids[valid] if valid is not None else ids
+    if t.numel() == 0:
+        return [0]
+    down = torch.nonzero((t[1:] < t[:-1]) & (t[1:] != 0)).flatten()
+    if down.numel():
+        i = int(down[0]) + 1
+        raise PackingError(
+            f"tfcompat: {what} go down from {int(t[i - 1])} to {int(t[i])} at token {i} without restarting at 0; "
+            f"a packed sequence must start at position 0 (pass cu_seq_lens_q, tfcompat.packing.packed(cu), or "
+            f"4-row ids from tfcompat.packing.pack)"
+        )
+    starts = torch.nonzero(t[1:] == 0).flatten() + 1
+    return [0] + starts.tolist()
+
+
+def _mask_valid(mask, n):
+    """Bool (n,) of real tokens from a 2-D mask of one row, or None when every token is real."""
+    if mask is None:
+        return None
+    if mask.dim() != 2 or mask.shape[-1] != n:
+        return "other"
+    valid = mask[0].bool()
+    return None if bool(valid.all()) else valid
 
 
 # ------------------------------------------------------------------------------ text model
 def _text_model_forward(self, *args, **kwargs):
-    state = getattr(self, _ATTR)
-    a = _arguments(state, self, args, kwargs)
-    if a is None:
-        return _original(self, state, *args, **kwargs)
-    position_ids = a.get("position_ids")
-    bounds, replacement = _boundaries(state, position_ids, a)
-    changed = {}
-    if replacement is not position_ids:
-        changed["position_ids"] = replacement
-    if bounds is not None and a.get("attention_mask") is None and "attention_mask" in state.signature.parameters:
-        # an explicit all-ones mask keeps upstream mask builders from re-reading packed position
-        # ids (some releases cannot parse 3-row ids there); patched attention ignores the mask
-        import torch
+    import torch
 
-        ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
-        changed["attention_mask"] = torch.ones(ref.shape[:2], dtype=torch.long, device=ref.device)
-    if changed:
-        a.update(changed)
-        args, kwargs = (), a  # all by keyword: decorators upstream inject keywords of their own
-    if bounds is None:
+    state = getattr(self, _ATTR)
+    explicit = {k: kwargs.pop(k) for k in _FLASH_KWARGS if k in kwargs}
+    a = _arguments(self, args, kwargs)
+    if a is None:
+        return _original(self, state, *args, **kwargs)  # upstream says what is wrong with the call
+    plan = _resolve.resolve("attention.signature", state.family).plan
+    group = state.group_or_raise()
+    position_ids = a.get("position_ids")
+    ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
+    if ref is None:
         return _original(self, state, *args, **kwargs)
-    with _packing.packed(bounds[0], bounds[1]):
+    batch, local = ref.shape[0], ref.shape[1]
+    changed = {}
+    if position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 4 and not plan.four_row_ids:
+        changed["position_ids"] = position_ids[1:]  # this release's text model predates the 4-row layout
+
+    if group is not None:
+        _check_ulysses_lengths(local, batch, group, state)
+    step = _find_step(state, group, explicit, position_ids, a.get("attention_mask"), batch, local, ref.device)
+    if step is None:
+        if changed:
+            a.update(changed)
+            return _original(self, state, **a)
         return _original(self, state, *args, **kwargs)
+
+    cache = next((a[n] for n in _CACHE_NAMES if a.get(n) is not None), None)
+    if cache is not None:
+        raise TfcompatError(
+            f"tfcompat {state.family}: a packed row (or Ulysses shard) was passed with a KV cache "
+            f"({type(cache).__name__}); sequences of a packed row cannot share one cache; pass use_cache=False "
+            f"and no past_key_values for training, or unpack the row for generation"
+        )
+    if a.get("output_attentions"):
+        raise TfcompatError(
+            f"tfcompat {state.family}: output_attentions=True on a packed row (or Ulysses shard): the packed "
+            f"attention computes no weight matrix; call the unpatched model on the padded batch to inspect weights"
+        )
+    if "use_cache" in _signature(type(self)).parameters or "use_cache" in a:
+        changed["use_cache"] = False  # no cache for a packed row: the configs' default would create one
+    if "attention_mask" in _signature(type(self)).parameters:
+        # an explicit all-ones mask keeps upstream mask builders from re-reading packed position ids
+        # (some releases cannot parse 3-row ids there); the patched attention does not use it
+        changed["attention_mask"] = torch.ones((batch, local), dtype=torch.long, device=ref.device)
+    a.update(changed)
+    with _Scope(("step", step)):
+        return _original(self, state, **a)
+
+
+def _check_ulysses_lengths(local, batch, group, state):
+    import torch
+    import torch.distributed as dist
+
+    if batch != 1:
+        raise UlyssesError(f"tfcompat {state.family}: Ulysses needs one packed row per rank (batch 1), got batch "
+                           f"{batch}; pack the micro-batch (tfcompat.packing.pack) before slicing it")
+    mine = torch.tensor([local], dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        mine = mine.cuda()
+    seen = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(seen, mine, group=group)  # one small collective per step; equal shapes on every rank
+    lengths = [int(x) for x in seen]
+    if len(set(lengths)) != 1:
+        raise UlyssesError(f"tfcompat {state.family}: Ulysses ranks hold {lengths} tokens; every rank must hold "
+                           f"an equal slice; cut the row with tfcompat.ulysses.slice_for_rank (it pads the end)")
+
+
+def _find_step(state, group, explicit, position_ids, mask, batch, local, device):
+    """The step's boundaries, or None for an input that is not packed (and no Ulysses group)."""
+    import torch
+
+    world = state.world if group is not None else 1
+    total = local * world
+    cu = explicit.get("cu_seq_lens_q")
+    if cu is None and explicit.get("cu_seq_lens_k") is not None:
+        cu = explicit["cu_seq_lens_k"]
+    if cu is not None and explicit.get("cu_seq_lens_k") is not None and \
+            not torch.equal(explicit["cu_seq_lens_k"].cpu(), cu.cpu()):
+        raise PackingError("tfcompat: cu_seq_lens_q and cu_seq_lens_k differ; packed training attends each "
+                           "sequence to itself, so pass the same boundaries for both")
+    source = "cu_seq_lens_q"
+    if cu is None and _packing.current() is not None:
+        cu, max_len = _packing.current()
+        source = "packing.packed(cu)"
+        explicit = {"max_length_q": max_len}
+    valid = _mask_valid(mask, local)
+    if cu is not None:
+        if batch != 1:
+            raise PackingError(f"tfcompat: {source} describes one packed row, but the input has batch {batch}; "
+                               f"pack the batch into one row (tfcompat.packing.pack)")
+        if valid is not None:
+            raise PackingError(f"tfcompat: {source} marks a packed row, but attention_mask has padding in it; "
+                               f"drop the padding (tfcompat.packing.pack does) or pass no mask")
+        if group is not None and int(cu[-1]) < total:
+            cu = torch.cat((cu.to(device), torch.tensor([total], dtype=cu.dtype, device=device)))  # padded tail
+        return _make_step(cu.to(device), total, explicit.get("max_length_q"), source)
+
+    if position_ids is None:
+        if group is not None:
+            raise UlyssesError(f"tfcompat {state.family}: a Ulysses shard needs its position ids (each rank holds a "
+                               f"slice, so positions cannot be counted locally); pass the sliced position_ids")
+        return None
+    if position_ids.dim() == 3 and position_ids.shape[0] == 4:
+        text, kind = position_ids[0], "text row of the 4-row position ids"
+    elif position_ids.dim() == 2:
+        text, kind = position_ids, "position ids"
+    elif position_ids.dim() == 3 and position_ids.shape[0] == 3:
+        text, kind = None, "mrope"
+    else:
+        raise PackingError(f"tfcompat {state.family}: position_ids of shape {tuple(position_ids.shape)}; expected "
+                           f"(batch, seq), (3, batch, seq) or (4, batch, seq) with the text row first")
+    if batch != 1 or valid == "other":
+        if text is not None and batch != 1 and valid is None and mask is None:
+            for row in range(batch):
+                if len(_starts(text[row], None, "position ids")) > 1:
+                    raise PackingError(
+                        f"tfcompat: row {row} of a batch of {batch} restarts its positions (several packed "
+                        f"sequences); packed rows must be batch 1; pack the whole micro-batch into one row")
+        return None  # padded batch (or a 4-D mask): upstream's own path, exact
+    if group is not None:
+        from .ulysses import gather_from_ranks
+
+        if valid is not None:
+            raise UlyssesError(f"tfcompat {state.family}: a Ulysses shard with padding in attention_mask; pack the "
+                               f"rows (tfcompat.packing.pack) and slice the packed row")
+        rows = text if text is not None else position_ids[0]
+        rows = gather_from_ranks(rows.contiguous(), dim=1, group=group)[0]
+    else:
+        rows = text[0] if text is not None else position_ids[0, 0]
+    if text is None:
+        # 3-row mRoPE ids: the temporal row repeats and jumps inside one sequence and cannot mark where a
+        # sequence begins; it may only show that the row holds several (it goes down)
+        t = rows[valid] if valid is not None else rows
+        if bool((t[1:] < t[:-1]).any()):
+            raise PackingError(
+                f"tfcompat: position ids of shape {tuple(position_ids.shape)} hold several packed sequences (the "
+                f"temporal row restarts), but 3-row mRoPE ids cannot mark where each begins; pass 4-row ids "
+                f"(tfcompat.packing.pack builds them), cu_seq_lens_q, or wrap the call in "
+                f"tfcompat.packing.packed(cu_seqlens)")
+        starts = [0]
+    else:
+        starts = _starts(rows, valid if group is None else None, kind)
+    if len(starts) > 1 and valid is not None:
+        raise PackingError(f"tfcompat: the {kind} restart at 0 (a packed row) but attention_mask has padding in "
+                           f"the row; drop the padding (tfcompat.packing.pack does) or pass no mask")
+    if len(starts) == 1 and group is None:
+        return None  # one sequence: upstream's own path is exact
+    bounds = starts + [total]
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    return _Step(cu, tuple(bounds), max(b - a for a, b in zip(bounds[:-1], bounds[1:])), total)
+
+
+def _rotary_forward(self, *args, **kwargs):
+    state = getattr(self, _ATTR)
+    out = _original(self, state, *args, **kwargs)
+    scope = _scoped()
+    if scope is not None and scope[0] == "step" and isinstance(out, tuple):
+        out = _Carried(out)
+        out.step = scope[1]
+    return out
+
+
+def _layer_forward(self, *args, **kwargs):
+    state = getattr(self, _ATTR)
+    step = next((v.step for v in (*args, *kwargs.values()) if isinstance(v, _Carried)), None)
+    if step is None:
+        scope = _scoped()
+        if scope is not None and scope[0] == "step":
+            raise TfcompatError(
+                f"tfcompat {state.family}: {type(self).__name__} did not receive the position embeddings of this "
+                f"packed step, so it cannot tell where sequences begin; this transformers release passes them "
+                f"differently; please report it (tfcompat {_resolve._version.transformers_version()})")
+        return _original(self, state, *args, **kwargs)
+    with _Scope(("layer", step)):
+        return _original(self, state, *args, **kwargs)
+
+
+def _layer_step(module, position_embeddings=None):
+    if isinstance(position_embeddings, _Carried):
+        return position_embeddings.step
+    scope = _scoped()
+    return scope[1] if scope is not None and scope[0] == "layer" else None
 
 
 # ------------------------------------------------------------------------------- attention
@@ -196,23 +408,26 @@ def _attention_forward(self, *args, **kwargs):
     import torch
 
     state = getattr(self, _ATTR)
-    a = _arguments(state, self, args, kwargs)
+    a = _arguments(self, args, kwargs)
     if a is None:
         return _original(self, state, *args, **kwargs)
-    cache = next((a[n] for n in ("cache", "past_key_values", "past_key_value") if a.get(n) is not None), None)
     pe = a.get("position_embeddings")
+    step = _layer_step(self, pe)
+    if step is None:
+        if state.group is not None or state.group_lost:
+            raise UlyssesError(f"tfcompat {state.family}: a Ulysses-patched attention was called outside a patched "
+                               f"text model step; call the model (or its text model), not the layer")
+        return _original(self, state, *args, **kwargs)  # not packed: upstream, unchanged
     hidden = a["hidden_states"]
-    if cache is not None or a.get("output_attentions") or pe is None or hidden.shape[0] != 1:
-        return _original(self, state, *args, **kwargs)
-    bounds = _packing.current()
-    if bounds is None:
-        bounds, _ = _boundaries(state, a.get("position_ids"), a)
-    if bounds is None and state.group is None:
-        return _original(self, state, *args, **kwargs)
+    if pe is None or hidden.shape[0] != 1:
+        raise TfcompatError(f"tfcompat {state.family}: the packed attention needs position_embeddings and batch 1, "
+                            f"got {'no position embeddings' if pe is None else f'batch {hidden.shape[0]}'}")
+    group = state.group_or_raise()
 
     from .rope import apply_rope_
-    from .varlen import varlen_attention
+    from .varlen import _varlen
 
+    plan = _resolve.resolve("attention.signature", state.family).plan
     _, s, _ = hidden.shape
     d = self.head_dim
     q = self.q_proj(hidden)
@@ -227,34 +442,36 @@ def _attention_forward(self, *args, **kwargs):
         q, k = self.q_norm(q), self.k_norm(k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     cos, sin = pe
-    q, k = apply_rope_(q, k, cos, sin, model_type=state.family, mrope_section=state.section)
+    q, k = apply_rope_(q, k, cos, sin, model_type=state.family, mrope_section=_section(self, state))
     q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0]
-    if state.group is not None:
+    if group is not None:
         from .ulysses import gather_heads_scatter_seq, gather_seq_scatter_heads, repeat_kv_for_group
 
-        q = gather_seq_scatter_heads(q, state.group)
-        k = gather_seq_scatter_heads(repeat_kv_for_group(k, state.world), state.group)
-        v = gather_seq_scatter_heads(repeat_kv_for_group(v, state.world), state.group)
-        if bounds is None:
-            total = q.shape[0]
-            bounds = (torch.tensor([0, total], dtype=torch.int32, device=q.device), total)
-    cu, max_len = bounds
-    if int(cu[-1]) != q.shape[0]:
-        from .varlen import PackingError
-
-        raise PackingError(f"tfcompat attention: boundaries cover {int(cu[-1])} tokens but the layer sees "
+        q = gather_seq_scatter_heads(q, group)
+        k = gather_seq_scatter_heads(repeat_kv_for_group(k, state.world), group)
+        v = gather_seq_scatter_heads(repeat_kv_for_group(v, state.world), group)
+    if step.total != q.shape[0]:
+        raise PackingError(f"tfcompat attention: boundaries cover {step.total} tokens but the layer sees "
                            f"{q.shape[0]}; pass boundaries of the whole (gathered) packed row")
     dropout = self.attention_dropout if self.training else 0.0
     scale = getattr(self, "scaling", None) or d ** -0.5
-    out = varlen_attention(q, k, v, cu, max_len, causal=True, softmax_scale=scale, window=_window(self),
-                           dropout_p=dropout)
-    if state.group is not None:
-        out = gather_heads_scatter_seq(out, state.group)
+    out = _varlen(q, k, v, step.cu, step.bounds, step.max_len, causal=True, softmax_scale=scale,
+                  window=_window(self), dropout_p=dropout)
+    if group is not None:
+        out = gather_heads_scatter_seq(out, group)
     out = out.reshape(1, s, -1)
     if gate is not None:
         out = out * torch.sigmoid(gate)
     out = self.o_proj(out)
-    return (out, None, None) if state.plan.returns == 3 else (out, None)
+    return (out, None, None) if plan.returns == 3 else (out, None)
+
+
+def _section(module, state):
+    if _resolve.resolve("rope.apply", state.family).plan.cos_rows != 3:
+        return None
+    from .config import rope_parameters
+
+    return rope_parameters(module.config, model_type=state.family).mrope_section
 
 
 def _heads(module):
@@ -278,30 +495,35 @@ def _linear_forward(self, hidden_states, *args, **kwargs):
     import torch
 
     state = getattr(self, _ATTR)
-    bounds = _packing.current()
-    cache = kwargs.get("cache", kwargs.get("cache_params", args[0] if args else None))
-    if bounds is None or cache is not None or hidden_states.shape[0] != 1:
+    step = _layer_step(self)
+    if step is None:
         return _original(self, state, hidden_states, *args, **kwargs)
-    kwargs.pop("attention_mask", None)
-    kwargs = {k: v for k, v in kwargs.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-                                                            "max_length_k", "position_ids")}
+    cache = next((kwargs[n] for n in _CACHE_NAMES if kwargs.get(n) is not None), args[0] if args else None)
+    if cache is not None or hidden_states.shape[0] != 1:
+        raise TfcompatError(f"tfcompat {state.family}: the packed linear attention takes batch 1 and no cache")
+    kwargs = {k: v for k, v in kwargs.items() if k not in _FLASH_KWARGS + ("position_ids", "attention_mask")}
     # The torch fallback of transformers ignores cu_seqlens, so run each sequence on its own:
     # exact, and no recurrent or convolution state crosses a boundary.
-    cu = bounds[0].tolist()
-    outs = [_original(self, state, hidden_states[:, lo:hi], *args, **kwargs) for lo, hi in zip(cu[:-1], cu[1:])]
+    b = step.bounds
+    outs = [_original(self, state, hidden_states[:, lo:hi], *args, **kwargs) for lo, hi in zip(b[:-1], b[1:])]
     return torch.cat(outs, dim=1)
 
 
+_FORWARDS = {"text": _text_model_forward, "rotary": _rotary_forward, "layer": _layer_forward,
+             "attention": _attention_forward, "linear": _linear_forward}
+
+
 # ----------------------------------------------------------------------------------- patch
-def _install(module, fn, state):
+def _install(module, kind, state):
+    _uninstall(module)  # never wrap our own forward: patching again replaces
     state.saved_forward = module.__dict__.get("forward")
     setattr(module, _ATTR, state)
-    module.forward = types.MethodType(fn, module)
+    module.forward = _PatchedForward(module, kind)
 
 
 def _uninstall(module):
     state = module.__dict__.pop(_ATTR, None)
-    if state is None:
+    if not isinstance(state, _State):
         return
     if state.saved_forward is not None:
         module.forward = state.saved_forward
@@ -309,36 +531,43 @@ def _uninstall(module):
         module.__dict__.pop("forward", None)
 
 
+def _patched_as(module):
+    state = module.__dict__.get(_ATTR)
+    fwd = module.__dict__.get("forward")
+    if isinstance(state, _State) and isinstance(fwd, _PatchedForward) and fwd.module is module:
+        return state
+    return None
+
+
 def patch(model, *, remove_padding=True, ulysses_group=None):
     """Patch a loaded GLM/Qwen model instance for packed sequences and Ulysses sequence parallelism.
 
     Args:
         model: a ForConditionalGeneration / ForCausalLM / bare Model of a supported family.
-        remove_padding: accept packed rows (one row, several sequences). With False, only
-            Ulysses is applied (each rank's row is one sequence).
+        remove_padding: accept packed rows (one row, several sequences). With False and no group,
+            nothing is patched (the model stays bit-identical); with a group, each rank's row is
+            one sequence.
         ulysses_group: a ``torch.distributed`` process group for sequence parallelism, or None.
 
     Returns:
-        a :class:`PatchRecord`. Patching twice is the same as patching once (a second call with
-        other options re-patches).
+        a :class:`PatchRecord` of what is patched now. Patching again with the same options
+        changes nothing; other options, or a model partly unpatched, are re-patched. Patching a
+        submodule of a patched model re-patches that part with the new options.
 
     .. versionadded:: 0.1.0
+    .. versionchanged:: 0.2.0
+       Boundaries travel with the call (activation checkpointing); packed rows fail closed.
     """
     config = getattr(model, "config", None)
     fam = _family(config if config is not None else model)
-    existing = model.__dict__.get(_MODEL_ATTR)
-    if existing is not None:
-        if existing.remove_padding == remove_padding and existing._group is ulysses_group:
-            return existing.record
-        unpatch(model)
-    from .config import rope_parameters, text_config
+    from .config import text_config
 
     resolutions = tuple(_resolve.resolve(kind, fam.name) for kind in ("rope.init", "rope.apply", "attention.signature"))
-    rope_plan, plan = resolutions[1].plan, resolutions[2].plan
+    plan = resolutions[2].plan
     module = resolutions[2].target
-    section = rope_parameters(config).mrope_section if rope_plan.cos_rows == 3 else None
     attention_cls = getattr(module, fam.attention)
     text_cls = getattr(module, plan.text_model)
+    rotary_cls = getattr(module, fam.rotary)
     linear_cls = getattr(module, plan.linear_attention) if plan.linear_attention else None
 
     world = 1
@@ -348,54 +577,65 @@ def patch(model, *, remove_padding=True, ulysses_group=None):
         world = dist.get_world_size(ulysses_group)
         n_heads = text_config(config).num_attention_heads
         if n_heads % world:
-            from .ulysses import UlyssesError
-
             raise UlyssesError(f"Ulysses: {n_heads} attention heads of {fam.name} do not divide over "
                                f"{world} ranks; choose a group size that divides {n_heads}")
         if linear_cls is not None:
-            from .ulysses import UlyssesError
-
             raise UlyssesError(f"Ulysses: {fam.name} has linear-attention (Gated DeltaNet) layers whose recurrence "
                                f"runs along the sequence; they cannot be split by Ulysses; use ulysses_group=None")
 
     texts = [m for m in model.modules() if type(m) is text_cls]
     attentions = [m for m in model.modules() if isinstance(m, attention_cls)]
-    linears = [m for m in model.modules() if linear_cls is not None and isinstance(m, linear_cls)]
     if not texts or not attentions:
         raise UnsupportedTransformersError(
             f"tfcompat.patch: found {len(texts)} {text_cls.__name__} and {len(attentions)} {attention_cls.__name__} "
             f"modules in {type(model).__name__}; pass a {fam.name} model built by transformers "
             f"{resolutions[0].transformers}"
         )
-
-    def make_state(m):
-        sig = inspect.signature(inspect.unwrap(type(m).forward))
-        return _State(fam.name, plan, rope_plan, section, ulysses_group, world, sig, None)
-
-    for m in texts:
-        _install(m, _text_model_forward, make_state(m))
+    targets = []
     if remove_padding or ulysses_group is not None:
-        for m in attentions:
-            _install(m, _attention_forward, make_state(m))
-        for m in linears:
-            _install(m, _linear_forward, make_state(m))
-    record = PatchRecord(fam.name, text_cls.__name__, len(attentions), len(linears), remove_padding, world,
-                         resolutions)
-    model.__dict__[_MODEL_ATTR] = _ModelState(record, remove_padding, ulysses_group)
+        for text in texts:
+            rotary = [m for m in text.children() if isinstance(m, rotary_cls)]
+            layers = getattr(text, "layers", None)
+            if len(rotary) != 1 or layers is None:
+                raise UnsupportedTransformersError(
+                    f"tfcompat.patch: {type(text).__name__} of transformers {resolutions[0].transformers} has "
+                    f"{len(rotary)} {rotary_cls.__name__} children and {'no' if layers is None else 'a'} .layers "
+                    f"list; tfcompat cannot carry boundaries through it; please report this release")
+            targets += [(text, "text"), (rotary[0], "rotary")] + [(layer, "layer") for layer in layers]
+        targets += [(m, "attention") for m in attentions]
+        targets += [(m, "linear") for m in model.modules() if linear_cls is not None and isinstance(m, linear_cls)]
+
+    def same(m, kind):
+        st = _patched_as(m)
+        return st is not None and st.kind == kind and st.remove_padding == remove_padding and \
+            st.group is ulysses_group and not st.group_lost
+
+    patched_below = [m for m in model.modules() if _patched_as(m) is not None]
+    if not (targets and all(same(m, kind) for m, kind in targets) and len(patched_below) == len(targets)):
+        for m in patched_below:
+            _uninstall(m)
+        for m, kind in targets:
+            _install(m, kind, _State(kind, fam.name, remove_padding, ulysses_group, world))
+    n_attn = sum(kind == "attention" for _, kind in targets)
+    n_lin = sum(kind == "linear" for _, kind in targets)
+    record = PatchRecord(fam.name, text_cls.__name__, n_attn, n_lin, remove_padding, world, resolutions)
+    if targets:
+        model.__dict__[_MODEL_ATTR] = record
+    else:
+        model.__dict__.pop(_MODEL_ATTR, None)
     return record
 
 
-@dataclasses.dataclass
-class _ModelState:
-    record: PatchRecord
-    remove_padding: bool
-    _group: object
-
-
 def unpatch(model):
-    """Undo :func:`patch`: every patched module gets its original forward back. Returns True if it was patched."""
-    state = model.__dict__.pop(_MODEL_ATTR, None)
+    """Undo :func:`patch`: every patched module below ``model`` gets its original forward back.
+
+    Returns True if anything was patched.
+    """
+    record = model.__dict__.pop(_MODEL_ATTR, None)
+    found = False
     for m in model.modules():
-        if _ATTR in m.__dict__ and isinstance(m.__dict__[_ATTR], _State):
+        m.__dict__.pop(_MODEL_ATTR, None)
+        if isinstance(m.__dict__.get(_ATTR), _State):
             _uninstall(m)
-    return state is not None
+            found = True
+    return found or record is not None

@@ -43,6 +43,11 @@ class Resolution:
     #: the resolved upstream object itself; not part of equality or repr
     target: object = dataclasses.field(default=None, compare=False, repr=False)
 
+    def __reduce__(self):
+        # the upstream target (a module or function) is not part of the value: a pickled or deep-copied
+        # record carries the decision, and tfcompat.resolve() finds the object again where it is needed
+        return (Resolution, (self.capability, self.impl, self.source, self.reason, self.transformers, self.plan))
+
     def as_dict(self):
         plan = dataclasses.asdict(self.plan) if dataclasses.is_dataclass(self.plan) else self.plan
         return {
@@ -109,6 +114,29 @@ def _source(obj):
         return ""
 
 
+_NO_FACT = object()
+
+
+def _probe(capability, what, obj, decide, declared=_NO_FACT):
+    """``decide(source of obj)``; where the source cannot be read (a frozen or stripped install), the
+    family's declared fact with a warning, or an error when there is none: never a silent default."""
+    body = _source(obj)
+    if body:
+        return decide(body)
+    name = getattr(obj, "__qualname__", repr(obj))
+    if declared is not _NO_FACT:
+        import warnings
+
+        warnings.warn(f"tfcompat {capability}: cannot read the source of {name} to probe {what}; using the "
+                      f"family's declared fact ({declared!r})", RuntimeWarning, stacklevel=3)
+        return declared
+    raise UnsupportedTransformersError(
+        f"{capability}: cannot read the source of {name} (transformers {_version.transformers_version()}) to "
+        f"probe {what}, and the family declares no fact for it; install transformers with its .py sources "
+        f"(not a stripped or frozen build)"
+    )
+
+
 def _modeling(fam, capability):
     installed = _version.require_supported_transformers(capability)
     try:
@@ -134,7 +162,7 @@ def _attr(module, name, capability):
 def _resolve_rope_apply(fam, capability):
     module = _modeling(fam, capability)
     attention = _attr(module, fam.attention, capability)
-    body = _source(attention.forward)
+    body = _probe(capability, "which rotary function the attention calls", attention.forward, lambda b: b)
     where = f"{fam.attention}.forward"
     if "apply_multimodal_rotary_pos_emb" in body and hasattr(module, "apply_multimodal_rotary_pos_emb"):
         name, rows = "apply_multimodal_rotary_pos_emb", 3
@@ -153,7 +181,8 @@ def _resolve_rope_apply(fam, capability):
     if fam.rotation == "gptj":
         # GLM before 5.17 halves cos and repeat-interleaves it inside the apply function;
         # from 5.17 the rotary module emits the interleaved layout (transformers matrix §2b).
-        gptj_cos = "half" if "repeat_interleave" in _source(fn) else "pairs"
+        gptj_cos = _probe(capability, "the GPT-J cos layout", fn,
+                          lambda b: "half" if "repeat_interleave" in b else "pairs")
         reason += f"; GPT-J pairs, cos {'halved and repeat-interleaved by the attention' if gptj_cos == 'half' else 'already interleaved by the rotary module'}"
     plan = RopePlan(rotation=fam.rotation, cos_rows=rows, gptj_cos=gptj_cos, mrope=fam.mrope)
     return Resolution(capability, name, f"{module.__name__}.{name}", reason,
@@ -166,11 +195,11 @@ _SECTION_DEFAULT = re.compile(r"""get\(\s*["']mrope_section["']\s*,\s*\[([\d,\s]
 def _resolve_rope_init(fam, capability):
     module = _modeling(fam, capability)
     rotary = _attr(module, fam.rotary, capability)
-    init_src = _source(rotary.__init__)
     default = getattr(rotary, "compute_default_rope_parameters", None)
     if default is not None:
         # 5.x: a per-model staticmethod reads config.rope_parameters (transformers 5.0.0)
-        reads_partial = "partial_rotary_factor" in _source(default)
+        reads_partial = _probe(capability, "whether partial_rotary_factor is read", default,
+                               lambda b: "partial_rotary_factor" in b, fam.reads_partial_rotary)
         key, impl = "rope_parameters", "compute_default_rope_parameters"
         source = f"{module.__name__}.{fam.rotary}.compute_default_rope_parameters"
         reason = f"{fam.rotary} has compute_default_rope_parameters (config.rope_parameters)"
@@ -179,23 +208,56 @@ def _resolve_rope_init(fam, capability):
         key, impl, reads_partial = "rope_scaling", "_compute_default_rope_parameters", True
         source = "transformers.modeling_rope_utils._compute_default_rope_parameters"
         reason = f"{fam.rotary} has no compute_default_rope_parameters: 4.x rope_scaling/rope_theta config"
-    match = _SECTION_DEFAULT.search(init_src)
-    section = tuple(int(x) for x in match.group(1).split(",") if x.strip()) if match else None
+    def default_section(body):
+        match = _SECTION_DEFAULT.search(body)
+        return tuple(int(x) for x in match.group(1).split(",") if x.strip()) if match else None
+
+    section = _probe(capability, "the default mrope_section", rotary.__init__, default_section,
+                     fam.default_mrope_section if fam.mrope != "none" else None)
     if section:
         reason += f"; rotary module defaults mrope_section to {list(section)}"
     plan = RopeInitPlan(config_key=key, reads_partial_rotary=reads_partial, default_mrope_section=section)
     return Resolution(capability, impl, source, reason, str(_version.transformers_version()), plan, rotary)
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionPlan:
+    """What the installed text attention and text model of a family look like to the patched forwards."""
+
+    params: tuple
+    returns: int
+    text_model: str
+    four_row_ids: bool
+    linear_attention: str
+
+
+def _resolve_attention(fam, capability):
+    module = _modeling(fam, capability)
+    attention = _attr(module, fam.attention, capability)
+    fn = inspect.unwrap(attention.forward)
+    params = tuple(p for p in inspect.signature(fn).parameters if p != "self")
+    returns = _probe(capability, "the attention's return arity", fn, lambda b: 3 if re.search(
+        r"return\s+attn_output\s*,\s*attn_weights\s*,\s*past_key_value", b) else 2)
+    text_model = next((n for n in (f"{fam.prefix}TextModel", f"{fam.prefix}Model") if hasattr(module, n)), "")
+    if not text_model:
+        raise UnsupportedTransformersError(f"{capability}: no {fam.prefix}TextModel / {fam.prefix}Model in "
+                                           f"{module.__name__}")
+    four = _probe(capability, "whether the text model splits 4-row position ids", getattr(module, text_model).forward,
+                  lambda b: bool(re.search(r"shape\[0\]\s*==\s*4", b)))
+    linear = f"{fam.prefix}GatedDeltaNet" if hasattr(module, f"{fam.prefix}GatedDeltaNet") else ""
+    ids = ("splits 4-row position ids" if four else
+           "takes 3-row position ids only (tfcompat strips the text row)" if fam.vision else "takes 2-D position ids")
+    reason = f"{fam.attention}.forward({', '.join(params)}) returns a {returns}-tuple; {text_model}.forward {ids}"
+    plan = AttentionPlan(params, returns, text_model, four, linear)
+    return Resolution(capability, "bundled", f"{module.__name__}.{fam.attention}.forward",
+                      reason, str(_version.transformers_version()), plan, module)
+
+
 _RESOLVERS = {
     "rope.apply": _resolve_rope_apply,
     "rope.init": _resolve_rope_init,
+    "attention.signature": _resolve_attention,
 }
-
-
-def register(kind, resolver):
-    """Add a resolver for capabilities ``kind:<family>`` (used by the other public modules)."""
-    _RESOLVERS[kind] = resolver
 
 
 def resolve(kind, family):
@@ -216,7 +278,7 @@ def resolve(kind, family):
         if hit is not None:
             return hit
         if kind not in _RESOLVERS:
-            raise KeyError(f"unknown capability kind {kind!r}; known: {sorted(_RESOLVERS)}")
+            raise TfcompatError(f"unknown capability kind {kind!r}; known: {', '.join(sorted(_RESOLVERS))}")
         result = _RESOLVERS[kind](fam, capability)
         _cache[capability] = result
         return result
@@ -242,8 +304,6 @@ def report(families=None):
     Capabilities that cannot be resolved are reported as a Resolution with impl
     ``"unsupported"`` and the error text as reason, so one gap does not hide the rest.
     """
-    from . import _patch  # noqa: F401  (registers the attention resolver)
-
     names = installed_families() if families is None else [_family(f).name for f in families]
     out = []
     for name in names:

@@ -19,14 +19,10 @@ import functools
 import inspect
 
 from ._families import family as _family
-from .errors import TfcompatError, UnsupportedTransformersError
+from .errors import EmbedsError, UnsupportedTransformersError
 
 __all__ = ["EmbedsResult", "EmbedsError", "unpack_visual_output", "get_input_embeds", "rope_index",
            "mm_token_type_ids", "dummy_visual_inputs"]
-
-
-class EmbedsError(TfcompatError, ValueError):
-    """Vision inputs that do not fit the text (token counts, grids, pixel shapes)."""
 
 
 @dataclasses.dataclass
@@ -246,10 +242,10 @@ def _splits_frames(fn):
 
 @functools.lru_cache(maxsize=None)
 def _splits_frames_of(function):
-    from ._resolve import _source
+    from ._resolve import _probe
 
-    body = _source(function)
-    return "repeat_interleave(video_grid_thw" in body or "video" not in body
+    return _probe("rope_index", "whether get_rope_index splits video grids per frame", function,
+                  lambda body: "repeat_interleave(video_grid_thw" in body or "video" not in body)
 
 
 def rope_index(model, input_ids, *, image_grid_thw=None, video_grid_thw=None, attention_mask=None,

@@ -12,6 +12,9 @@ __all__ = [
     "UnsupportedTransformersError",
     "RopeShapeError",
     "ConfigError",
+    "PackingError",
+    "UlyssesError",
+    "EmbedsError",
 ]
 
 
@@ -33,3 +36,19 @@ class RopeShapeError(TfcompatError, ValueError):
 
 class ConfigError(TfcompatError, ValueError):
     """A model config lacks, or contradicts, a setting tfcompat needs to read."""
+
+
+class PackingError(TfcompatError, ValueError):
+    """Sequence boundaries or packed inputs that cannot be right (not increasing, not covering the tokens,
+    padding inside a packed row, several rows).
+
+    .. versionadded:: 0.1.0 (in :mod:`tfcompat.varlen`; here since 0.2.0, re-exported there)
+    """
+
+
+class UlyssesError(TfcompatError, ValueError):
+    """A head count, sequence split or group that sequence parallelism cannot serve."""
+
+
+class EmbedsError(TfcompatError, ValueError):
+    """Vision inputs that do not fit the text (token counts, grids, pixel shapes)."""

@@ -18,14 +18,10 @@ the single-process gradient).
 import torch
 import torch.distributed as dist
 
-from .errors import TfcompatError
+from .errors import UlyssesError
 
 __all__ = ["UlyssesError", "gather_seq_scatter_heads", "gather_heads_scatter_seq", "slice_for_rank",
            "gather_from_ranks", "repeat_kv_for_group", "padded_length", "slice_inputs"]
-
-
-class UlyssesError(TfcompatError, ValueError):
-    """A head count or sequence split that sequence parallelism cannot serve."""
 
 
 def _size(group):

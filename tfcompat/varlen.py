@@ -15,13 +15,33 @@ import functools
 
 import torch
 
-from .errors import TfcompatError
+from .errors import PackingError
 
-__all__ = ["cu_seqlens_from_position_ids", "varlen_attention", "flash_attn_available"]
+__all__ = ["PackingError", "cu_seqlens_from_position_ids", "check_cu_seqlens", "varlen_attention",
+           "flash_attn_available"]
 
 
-class PackingError(TfcompatError, ValueError):
-    """Sequence boundaries that cannot be right (not increasing, not covering the tokens)."""
+def check_cu_seqlens(cu_seqlens, total, what="cu_seqlens"):
+    """Validate packed-sequence boundaries and return them as a tuple of Python ints (one host sync).
+
+    ``cu_seqlens`` must be a 1-D integer tensor that starts at 0, strictly increases, and ends at
+    ``total`` (the token count of the packed row).
+    """
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or \
+            cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
+        shape = tuple(cu_seqlens.shape) if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__
+        dtype = getattr(cu_seqlens, "dtype", None)
+        raise PackingError(f"{what}: expected a 1-D integer tensor of at least 2 boundaries (0, ..., total), got "
+                           f"{shape} of {dtype}")
+    bounds = tuple(int(x) for x in cu_seqlens.tolist())
+    if bounds[0] != 0 or bounds[-1] != total:
+        raise PackingError(f"{what}: boundaries run from {bounds[0]} to {bounds[-1]} but the row has {total} tokens; "
+                           f"they must start at 0 and end at the token count")
+    bad = next((i for i in range(1, len(bounds)) if bounds[i] <= bounds[i - 1]), None)
+    if bad is not None:
+        raise PackingError(f"{what}: boundaries must strictly increase, but {bounds[bad - 1]} is followed by "
+                           f"{bounds[bad]} (position {bad} of {list(bounds)})")
+    return bounds
 
 
 def cu_seqlens_from_position_ids(position_ids):
@@ -30,7 +50,8 @@ def cu_seqlens_from_position_ids(position_ids):
     Args:
         position_ids: (total,), (1, total), or (4, 1, total) whose row 0 is the text row
             (the layout transformers' VL text models accept). A sequence starts wherever the
-            position is 0, or does not continue the previous one (``p[i] != p[i-1] + 1``).
+            position is 0 (transformers' own rule); positions that go down without restarting
+            at 0 are refused.
 
     Returns:
         ``(cu_seqlens, max_seqlen)``: int32 tensor (num_seqs + 1,) on the ids' device, and an int.
@@ -39,25 +60,32 @@ def cu_seqlens_from_position_ids(position_ids):
     position 0, so boundaries read from them would be wrong. Pass the text row instead.
     """
     ids = position_ids
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point:
+        raise PackingError(f"cu_seqlens_from_position_ids: expected an integer tensor, got "
+                           f"{getattr(ids, 'dtype', type(ids).__name__)}")
     if ids.dim() == 3:
-        if ids.shape[0] != 4:
+        if ids.shape[0] != 4 or ids.shape[1] != 1:
             raise PackingError(
                 f"cu_seqlens_from_position_ids: got position ids of shape {tuple(ids.shape)}; 3-row mRoPE ids "
                 f"cannot mark boundaries (an image at a sequence start repeats position 0); pass the 4-row "
-                f"layout (text row first) or the text row itself"
+                f"layout (4, 1, total) (text row first) or the text row itself"
             )
         ids = ids[0]
     if ids.dim() == 2:
         if ids.shape[0] != 1:
             raise PackingError(f"cu_seqlens_from_position_ids: packed ids have one row, got shape {tuple(ids.shape)}")
         ids = ids[0]
-    if ids.numel() == 0:
-        raise PackingError("cu_seqlens_from_position_ids: no tokens")
-    starts = torch.ones_like(ids, dtype=torch.bool)
-    starts[1:] = ids[1:] != ids[:-1] + 1
-    idx = torch.nonzero(starts).flatten()
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise PackingError(f"cu_seqlens_from_position_ids: no tokens, or an unexpected shape {tuple(ids.shape)}")
+    down = torch.nonzero((ids[1:] < ids[:-1]) & (ids[1:] != 0)).flatten()
+    if down.numel():
+        i = int(down[0]) + 1
+        raise PackingError(f"cu_seqlens_from_position_ids: positions go down from {int(ids[i - 1])} to "
+                           f"{int(ids[i])} at token {i} without restarting at 0; each sequence must count from 0")
+    idx = torch.nonzero(ids[1:] == 0).flatten() + 1
+    zero = torch.zeros(1, device=ids.device, dtype=idx.dtype)
     total = torch.tensor([ids.numel()], device=ids.device, dtype=idx.dtype)
-    cu = torch.cat((idx, total)).to(torch.int32)
+    cu = torch.cat((zero, idx, total)).to(torch.int32)
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
@@ -78,18 +106,25 @@ def flash_attn_available(tensor=None):
 
 
 def _check(q, k, v, cu_seqlens):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+            raise PackingError(f"varlen_attention: {name} must be a floating-point tensor, got "
+                               f"{getattr(t, 'dtype', type(t).__name__)}")
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise PackingError(
             f"varlen_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be "
             f"(total_tokens, heads, head_dim)"
         )
-    if q.shape[1] % k.shape[1]:
-        raise PackingError(f"varlen_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
-    if int(cu_seqlens[-1]) != q.shape[0] or int(cu_seqlens[0]) != 0:
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0] or k.shape[1] != v.shape[1] or \
+            k.shape[2] != q.shape[2] or q.dtype != k.dtype or q.dtype != v.dtype:
         raise PackingError(
-            f"varlen_attention: cu_seqlens runs from {int(cu_seqlens[0])} to {int(cu_seqlens[-1])} but q has "
-            f"{q.shape[0]} tokens; boundaries must start at 0 and end at the token count"
+            f"varlen_attention: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} "
+            f"{v.dtype}: packed self-attention needs k and v of q's token count and dtype, equal kv head counts, "
+            f"and k of q's head_dim"
         )
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise PackingError(f"varlen_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
+    return check_cu_seqlens(cu_seqlens, q.shape[0], "varlen_attention: cu_seqlens")
 
 
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen=None, *, causal=True, softmax_scale=None,
@@ -98,44 +133,69 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen=None, *, causal=True, softm
 
     Args:
         q: (total, heads, head_dim); k, v: (total, kv_heads, head_dim) (GQA: heads % kv_heads == 0).
-        cu_seqlens: int32 (num_seqs + 1,) boundaries; max_seqlen: longest sequence (computed if None).
+        cu_seqlens: int32 (num_seqs + 1,) boundaries, from 0 to total, strictly increasing;
+            max_seqlen: longest sequence (computed if None; checked if given).
         causal: mask future tokens; softmax_scale: default ``head_dim ** -0.5``.
         window: sliding-window size (a query sees at most the ``window`` most recent keys), or None.
 
     Returns:
         (total, heads, head_dim).
+
+    Raises:
+        PackingError: boundaries or shapes that cannot describe one packed row.
     """
-    _check(q, k, v, cu_seqlens)
-    if max_seqlen is None:
-        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    bounds = _check(q, k, v, cu_seqlens)
+    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    if max_seqlen is not None and int(max_seqlen) != longest:
+        raise PackingError(f"varlen_attention: max_seqlen {int(max_seqlen)} but the longest sequence of "
+                           f"{list(bounds)} has {longest} tokens")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise PackingError(f"varlen_attention: window must be a positive int or None, got {window!r}")
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    return _varlen(q, k, v, cu_seqlens, bounds, longest, causal=causal, softmax_scale=scale, window=window,
+                   dropout_p=dropout_p)
+
+
+def _varlen(q, k, v, cu_seqlens, bounds, max_seqlen, *, causal, softmax_scale, window, dropout_p):
+    """Validated inputs: ``bounds`` are cu_seqlens as Python ints (computed once per step by the caller)."""
     flash = _flash_varlen()
     if flash is not None and flash_attn_available(q):
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         win = (-1, -1) if window is None else (window - 1, 0)
-        return flash(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p, softmax_scale=scale,
+        return flash(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p, softmax_scale=softmax_scale,
                      causal=causal, window_size=win)
-    return _sdpa_fallback(q, k, v, cu_seqlens, scale, causal, window, dropout_p)
+    return _sdpa_fallback(q, k, v, bounds, softmax_scale, causal, window, dropout_p)
 
 
-def _sdpa_fallback(q, k, v, cu_seqlens, scale, causal, window, dropout_p):
+@functools.lru_cache(maxsize=None)
+def _sdpa_has_gqa():
+    # a builtin without a readable signature: enable_gqa arrived in torch 2.5
+    from packaging.version import Version
+
+    return Version(torch.__version__.split("+")[0]) >= Version("2.5")
+
+
+def _sdpa_fallback(q, k, v, bounds, scale, causal, window, dropout_p):
+    # 4-D (1, heads, len, d) inputs: SDPA picks its fused kernels (flash on CPU) for them, the math
+    # kernel for 3-D ones; kv heads are shared through enable_gqa instead of materialised copies
     groups = q.shape[1] // k.shape[1]
-    bounds = cu_seqlens.tolist()
+    gqa = groups > 1 and _sdpa_has_gqa()
     outs = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
-        qs = q[lo:hi].transpose(0, 1)  # (heads, len, d)
-        ks = k[lo:hi].transpose(0, 1)
-        vs = v[lo:hi].transpose(0, 1)
-        if groups > 1:
-            ks = ks.repeat_interleave(groups, dim=0)
-            vs = vs.repeat_interleave(groups, dim=0)
+        qs = q[lo:hi].transpose(0, 1).unsqueeze(0)
+        ks = k[lo:hi].transpose(0, 1).unsqueeze(0)
+        vs = v[lo:hi].transpose(0, 1).unsqueeze(0)
+        if groups > 1 and not gqa:
+            ks = ks.repeat_interleave(groups, dim=1)
+            vs = vs.repeat_interleave(groups, dim=1)
         mask = None
         n = hi - lo
         if window is not None:
             i = torch.arange(n, device=q.device)
             dist = i[:, None] - i[None, :]
             mask = (dist >= 0) & (dist < window) if causal else dist.abs() < window
+        extra = {"enable_gqa": True} if gqa else {}
         out = torch.nn.functional.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, dropout_p=dropout_p, is_causal=causal and mask is None, scale=scale)
-        outs.append(out.transpose(0, 1))
+            qs, ks, vs, attn_mask=mask, dropout_p=dropout_p, is_causal=causal and mask is None, scale=scale, **extra)
+        outs.append(out[0].transpose(0, 1))
     return torch.cat(outs, dim=0)
