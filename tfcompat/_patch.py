@@ -338,29 +338,32 @@ def _find_step(state, group, explicit, position_ids, mask, batch, local, device)
                         f"tfcompat: row {row} of a batch of {batch} restarts its positions (several packed "
                         f"sequences); packed rows must be batch 1; pack the whole micro-batch into one row")
         return None  # padded batch (or a 4-D mask): upstream's own path, exact
+    rows = text if text is not None else position_ids[:, 0]  # (1, n) text row, or (3, n) T/H/W rows
     if group is not None:
         from .ulysses import gather_from_ranks
 
         if valid is not None:
             raise UlyssesError(f"tfcompat {state.family}: a Ulysses shard with padding in attention_mask; pack the "
                                f"rows (tfcompat.packing.pack) and slice the packed row")
-        rows = text if text is not None else position_ids[0]
-        rows = gather_from_ranks(rows.contiguous(), dim=1, group=group)[0]
-    else:
-        rows = text[0] if text is not None else position_ids[0, 0]
+        rows = gather_from_ranks(rows.contiguous(), dim=1, group=group)
     if text is None:
-        # 3-row mRoPE ids: the temporal row repeats and jumps inside one sequence and cannot mark where a
-        # sequence begins; it may only show that the row holds several (it goes down)
-        t = rows[valid] if valid is not None else rows
-        if bool((t[1:] < t[:-1]).any()):
+        # 3-row mRoPE ids: the temporal row repeats and even goes down inside one sequence (an image's
+        # temporal positions can exceed the text after it), so it never marks boundaries. Only a token at
+        # (0, 0, 0) after the first one shows that the row holds several sequences: refuse those.
+        t = rows[:, valid] if valid is not None and group is None else rows
+        zero = (t == 0).all(dim=0)
+        if group is not None:  # slice_for_rank pads the row's end with zeros
+            real = torch.nonzero(~zero).flatten()
+            zero = zero[: int(real[-1]) + 1] if real.numel() else zero[:1]
+        if bool(zero[1:].any()):
             raise PackingError(
-                f"tfcompat: position ids of shape {tuple(position_ids.shape)} hold several packed sequences (the "
-                f"temporal row restarts), but 3-row mRoPE ids cannot mark where each begins; pass 4-row ids "
-                f"(tfcompat.packing.pack builds them), cu_seq_lens_q, or wrap the call in "
+                f"tfcompat: position ids of shape {tuple(position_ids.shape)} hold several packed sequences (a "
+                f"token after the first sits at (0, 0, 0)), but 3-row mRoPE ids cannot mark where each begins; pass "
+                f"4-row ids (tfcompat.packing.pack builds them), cu_seq_lens_q, or wrap the call in "
                 f"tfcompat.packing.packed(cu_seqlens)")
         starts = [0]
     else:
-        starts = _starts(rows, valid if group is None else None, kind)
+        starts = _starts(rows[0], valid if group is None else None, kind)
     if len(starts) > 1 and valid is not None:
         raise PackingError(f"tfcompat: the {kind} restart at 0 (a packed row) but attention_mask has padding in "
                            f"the row; drop the padding (tfcompat.packing.pack does) or pass no mask")
@@ -392,8 +395,34 @@ def _layer_forward(self, *args, **kwargs):
                 f"packed step, so it cannot tell where sequences begin; this transformers release passes them "
                 f"differently; please report it (tfcompat {_resolve._version.transformers_version()})")
         return _original(self, state, *args, **kwargs)
+    raw = _checkpointed_forward(self, state)
+    if raw is not None:
+        # transformers checkpoints the class forward itself (5.2x GradientCheckpointingLayer wraps
+        # ``cls.forward``), so its recomputation would run below this scope; checkpoint here instead, with
+        # the scope inside the recomputed function (a packed step has no cache to flip off)
+        import functools
+
+        def scoped(*a, **k):
+            with _Scope(("layer", step)):
+                return raw(self, *a, **k)
+
+        return self._gradient_checkpointing_func(functools.partial(scoped, **kwargs), *args)
     with _Scope(("layer", step)):
         return _original(self, state, *args, **kwargs)
+
+
+def _checkpointed_forward(module, state):
+    """The function below transformers' per-class checkpoint wrapper when it would checkpoint now, else None."""
+    import torch
+
+    if state.saved_forward is not None or not (getattr(module, "gradient_checkpointing", False) and module.training
+                                               and torch.is_grad_enabled()):
+        return None
+    fwd = type(module).forward
+    code = getattr(fwd, "__code__", None)
+    if code is None or code.co_name != "forward_with_checkpointing" or not hasattr(fwd, "__wrapped__"):
+        return None
+    return fwd.__wrapped__
 
 
 def _layer_step(module, position_embeddings=None):
@@ -583,7 +612,7 @@ def patch(model, *, remove_padding=True, ulysses_group=None):
             raise UlyssesError(f"Ulysses: {fam.name} has linear-attention (Gated DeltaNet) layers whose recurrence "
                                f"runs along the sequence; they cannot be split by Ulysses; use ulysses_group=None")
 
-    texts = [m for m in model.modules() if type(m) is text_cls]
+    texts = [m for m in model.modules() if isinstance(m, text_cls)]
     attentions = [m for m in model.modules() if isinstance(m, attention_cls)]
     if not texts or not attentions:
         raise UnsupportedTransformersError(
@@ -595,16 +624,19 @@ def patch(model, *, remove_padding=True, ulysses_group=None):
     if remove_padding or ulysses_group is not None:
         for text in texts:
             rotary = [m for m in text.children() if isinstance(m, rotary_cls)]
-            layers = getattr(text, "layers", None)
-            if len(rotary) != 1 or layers is None:
+            if len(rotary) != 1:
                 raise UnsupportedTransformersError(
                     f"tfcompat.patch: {type(text).__name__} of transformers {resolutions[0].transformers} has "
-                    f"{len(rotary)} {rotary_cls.__name__} children and {'no' if layers is None else 'a'} .layers "
-                    f"list; tfcompat cannot carry boundaries through it; please report this release")
-            targets += [(text, "text"), (rotary[0], "rotary")] + [(layer, "layer") for layer in layers]
-        targets += [(m, "attention") for m in attentions]
-        targets += [(m, "linear") for m in model.modules() if linear_cls is not None and isinstance(m, linear_cls)]
-
+                    f"{len(rotary)} {rotary_cls.__name__} children; tfcompat cannot carry boundaries through it; "
+                    f"please report this release")
+            targets += [(text, "text"), (rotary[0], "rotary")]
+        mixers = [(m, "attention") for m in attentions]
+        mixers += [(m, "linear") for m in model.modules() if linear_cls is not None and isinstance(m, linear_cls)]
+        # the decoder layer is the module that holds a token mixer as a child, whatever wraps it
+        # (activation-checkpoint or FSDP wrappers sit above it and replay its call)
+        mixer_ids = {id(m) for m, _ in mixers}
+        targets += [(m, "layer") for m in model.modules() if any(id(c) in mixer_ids for c in m.children())]
+        targets += mixers
     def same(m, kind):
         st = _patched_as(m)
         return st is not None and st.kind == kind and st.remove_padding == remove_padding and \

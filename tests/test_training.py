@@ -1,0 +1,236 @@
+"""The calls real training loops make: activation checkpointing (reentrant and not, transformers' own and
+torch's wrapper), ``use_cache`` not passed (train and eval), optimizer steps, deep copies and pickles.
+
+Oracle: the unpatched model on the padded batch, without checkpointing.
+"""
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+
+import tfcompat
+from tfcompat._families import FAMILIES as SPECS
+from tfcompat.packing import pack, unpack
+
+from _helpers import installed
+from _models import forward_kwargs, padded, run_upstream, three_d_positions, tiny_model, tiny_pixels, tiny_sequence
+
+FAMILIES = installed()
+VISION = [n for n in FAMILIES if SPECS[n].vision]
+CKPT = ["hf_reentrant", "hf_non_reentrant", "torch_wrapper_reentrant", "torch_wrapper_non_reentrant"]
+
+
+def _batch(name, image):
+    rows = [tiny_sequence(name, text=5, image=image), tiny_sequence(name, text=3),
+            tiny_sequence(name, text=4, image=image, image_first=True)]
+    ids, mask = padded(rows)
+    pixels = tiny_pixels(2 if image else 0)
+    return ids, mask, pixels
+
+
+def _close(got, want, what):
+    scale = max(1.0, want.abs().max().item())
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=3e-5 * scale, msg=lambda m: f"{what}: {m}")
+
+
+def _clean(name):
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+def _grads(model):
+    return {_clean(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _checkpoint(model, how):
+    if how.startswith("hf_"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": how == "hf_reentrant"})
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+
+    impl = CheckpointImpl.REENTRANT if how.endswith("_reentrant") and "non" not in how else CheckpointImpl.NO_REENTRANT
+    layers = {id(m) for m in model.modules() if any(c in ("self_attn", "linear_attn") for c, _ in m.named_children())}
+    if impl is CheckpointImpl.REENTRANT:
+        model.enable_input_require_grads()  # reentrant checkpoints need an input that requires grad
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=impl),
+                                   check_fn=lambda m: id(m) in layers)
+
+
+def _reference(name, ids, mask, pixels, weights, train):
+    model = tiny_model(name)
+    model.train(train)
+    logits = run_upstream(lambda: model(input_ids=ids, attention_mask=mask,
+                                        **forward_kwargs(model, ids, **pixels)).logits)
+    (logits * weights * mask[..., None]).sum().backward()
+    return logits.detach(), _grads(model)
+
+
+def _packed_call(model, ids, mask, pixels):
+    pk = pack(ids, mask, three_d_positions(model, ids, mask, pixels), vision=SPECS[model.config.model_type].vision
+              if model.config.model_type in SPECS else None)
+    out = model(input_ids=pk.input_ids, position_ids=pk.position_ids, **forward_kwargs(model, pk.input_ids, **pixels))
+    return unpack(out.logits, pk), out
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("how", CKPT)
+def test_checkpointed_packed_training_equals_padded(name, how):
+    """use_cache not passed, train mode, checkpointed layers: logits and every gradient equal the oracle."""
+    image = name in VISION
+    ids, mask, pixels = _batch(name, image)
+    weights = torch.randn(*ids.shape, 256, generator=torch.Generator().manual_seed(5))
+    want, want_grads = _reference(name, ids, mask, pixels, weights, train=True)
+
+    model = tiny_model(name)
+    tfcompat.patch(model)
+    model.train()
+    _checkpoint(model, how)
+    logits, out = _packed_call(model, ids, mask, pixels)
+    (logits * weights * mask[..., None]).sum().backward()
+    valid = mask.bool()
+    _close(logits[valid].detach(), want[valid], f"{name}/{how} logits")
+    grads = _grads(model)
+    assert grads.keys() == want_grads.keys(), set(grads) ^ set(want_grads)
+    for key, value in want_grads.items():
+        _close(grads[key], value, f"{name}/{how} grad {key}")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_default_use_cache_in_eval_mode(name):
+    """No use_cache argument in eval mode: the config's default (True) must not turn the row into one sequence."""
+    image = name in VISION
+    ids, mask, pixels = _batch(name, image)
+    model = tiny_model(name)
+    assert model.config.get_text_config().use_cache is not False
+    with torch.no_grad():
+        want = run_upstream(lambda: model(input_ids=ids, attention_mask=mask,
+                                          **forward_kwargs(model, ids, **pixels)).logits)
+        tfcompat.patch(model)
+        got, out = _packed_call(model, ids, mask, pixels)
+    _close(got[mask.bool()], want[mask.bool()], f"{name} eval, default use_cache")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_three_adamw_steps(name):
+    """Patched + packed + checkpointed vs unpatched + padded: the loss of each step and the final weights."""
+    image = name in VISION
+    ids, mask, pixels = _batch(name, image)
+    labels = torch.where(mask.bool(), ids, -100)
+
+    def run(model, packed_path):
+        model.train()
+        # eps 1e-4: gradients that are zero in exact arithmetic (k_proj biases: softmax ignores a shift
+        # shared by all keys) are rounding noise, which Adam's normalisation would blow up to full steps
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            if packed_path:
+                logits, _ = _packed_call(model, ids, mask, pixels)
+            else:
+                logits = run_upstream(lambda: model(input_ids=ids, attention_mask=mask,
+                                                    **forward_kwargs(model, ids, **pixels)).logits)
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
+                                                     labels[:, 1:].flatten(), ignore_index=-100)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, {_clean(n): p.detach() for n, p in model.named_parameters()}
+
+    want_losses, want = run(tiny_model(name), False)
+    model = tiny_model(name)
+    tfcompat.patch(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    losses, got = run(model, True)
+    assert losses == pytest.approx(want_losses, rel=1e-4, abs=1e-5)
+    for key, value in want.items():
+        _close(got[key], value, f"{name} parameter {key} after 3 steps")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_deepcopy_pickle_and_save_of_a_patched_model(name):
+    """EMA / reference-policy copies: the copy is patched, behaves like the original, and is independent."""
+    ids, mask, pixels = _batch(name, False)
+    model = tiny_model(name)
+    record = tfcompat.patch(model)
+    with torch.no_grad():
+        want, _ = _packed_call(model, ids, mask, pixels)
+        copies = [copy.deepcopy(model), pickle.loads(pickle.dumps(model))]
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        copies.append(torch.load(buffer, weights_only=False))
+        plain_want = tiny_model(name)(input_ids=ids, attention_mask=mask).logits
+        for i, other in enumerate(copies):
+            got, _ = _packed_call(other, ids, mask, pixels)
+            assert torch.equal(got, want), f"copy {i}"
+            assert tfcompat.patch(other) == record
+            assert tfcompat.unpatch(other)
+            assert not any("forward" in m.__dict__ for m in other.modules()), f"copy {i}: a forward was left"
+            assert torch.equal(other(input_ids=ids, attention_mask=mask).logits, plain_want), f"copy {i} unpatched"
+        # the original is untouched by unpatching its copies
+        again, _ = _packed_call(model, ids, mask, pixels)
+        assert torch.equal(again, want)
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_vl", "qwen3_5", "qwen2"])
+def test_patch_state_cannot_lie(name):
+    if name not in FAMILIES:
+        pytest.skip("not in this release")
+    from _models import text_model
+
+    ids, mask, pixels = _batch(name, False)
+    model = tiny_model(name)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+        first = tfcompat.patch(model)
+        packed_once, _ = _packed_call(model, ids, mask, pixels)
+        inner = text_model(model)
+        # unpatch a part, patch the whole again: everything is patched again
+        tfcompat.unpatch(inner)
+        record = tfcompat.patch(model)
+        assert record == first and record.attention_modules > 0
+        assert torch.equal(_packed_call(model, ids, mask, pixels)[0], packed_once)
+        # nested patching of a submodule: no recursion, same behaviour
+        tfcompat.patch(inner)
+        tfcompat.patch(model)
+        assert torch.equal(_packed_call(model, ids, mask, pixels)[0], packed_once)
+        assert tfcompat.unpatch(model)
+        assert not any("forward" in m.__dict__ for m in model.modules())
+        assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, want)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_remove_padding_false_changes_nothing(name):
+    """remove_padding=False without a group: bit-identical to the unpatched model on any input."""
+    ids, mask, pixels = _batch(name, False)
+    pk = pack(ids, mask, vision=False)
+    model = tiny_model(name)
+    calls = [dict(input_ids=ids, attention_mask=mask), dict(input_ids=pk.input_ids, position_ids=pk.position_ids),
+             dict(input_ids=pk.input_ids)]
+    with torch.no_grad():
+        want = [model(**c).logits for c in calls]
+        record = tfcompat.patch(model, remove_padding=False)
+        assert record.attention_modules == 0 and record.linear_attention_modules == 0
+        got = [model(**c).logits for c in calls]
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+
+
+@pytest.mark.parametrize("name", VISION)
+def test_one_unpacked_sample_with_an_image_is_not_cut(name):
+    """Batch 1, mask of ones, an image (repeated temporal positions): the model's own path, unchanged."""
+    ids = torch.tensor([tiny_sequence(name, text=6, image=True)])
+    pixels = tiny_pixels(1)
+    model = tiny_model(name)
+    with torch.no_grad():
+        want = run_upstream(lambda: model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                          **forward_kwargs(model, ids, **pixels)).logits)
+        tfcompat.patch(model)
+        got = model(input_ids=ids, attention_mask=torch.ones_like(ids), **forward_kwargs(model, ids, **pixels)).logits
+        got_nomask = model(input_ids=ids, **forward_kwargs(model, ids, **pixels)).logits
+    assert torch.equal(got, want)
+    _close(got_nomask, want, f"{name} one sample, no mask")
