@@ -203,11 +203,13 @@ def get_input_embeds(model, input_ids, *, pixel_values=None, image_grid_thw=None
     if pixel_values is None and pixel_values_videos is None:
         pixels, grid = dummy_visual_inputs(model)
         feats, deep = unpack_visual_output(owner.visual(pixels, grid_thw=grid))
-        zero = feats.sum()
+        # weight before summing, in fp32: a half-precision sum of large finite features can overflow to
+        # inf, and inf * 0 is NaN. One zero-weighted scalar, added once, out of place: every vision weight
+        # joins the graph and no in-place op touches an autograd tensor.
+        zero = (feats.float() * 0.0).sum()
         for d in deep or ():
-            zero = zero + d.sum()
-        # one zero-weighted scalar, added once, out of place: every vision weight joins the graph
-        return EmbedsResult(embeds + zero.to(embeds.dtype) * 0.0, used_dummy=True)
+            zero = zero + (d.float() * 0.0).sum()
+        return EmbedsResult(embeds + zero.to(embeds.dtype), used_dummy=True)
 
     result = EmbedsResult(embeds)
     if fam.name in ("qwen3_vl", "qwen3_vl_moe") and deep_parts:

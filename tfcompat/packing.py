@@ -21,6 +21,8 @@ import threading
 
 import torch
 
+from .errors import PackingError
+
 __all__ = ["PackedBatch", "pack", "unpack", "packed", "current"]
 
 
@@ -46,7 +48,7 @@ def pack(input_ids, attention_mask, position_ids=None, *, vision=None):
         vision: force the 4-row layout (True) or the 1-row text layout (False); default: 4 rows when
             ``position_ids`` is 3-row.
     """
-    mask = attention_mask.bool()
+    mask = _check_pack(input_ids, attention_mask, position_ids, vision)
     batch, seq = mask.shape
     indices = torch.nonzero(mask.flatten()).flatten()
     lengths = mask.sum(dim=1)
@@ -54,6 +56,13 @@ def pack(input_ids, attention_mask, position_ids=None, *, vision=None):
     cu[1:] = torch.cumsum(lengths, 0).to(torch.int32)
     text = torch.cat([torch.arange(int(n), device=input_ids.device) for n in lengths])
     ids = input_ids.flatten()[indices].unsqueeze(0)
+    if position_ids is not None and position_ids.dim() == 2:
+        given = position_ids.flatten()[indices]
+        if not torch.equal(given.to(text.dtype), text):
+            raise PackingError(
+                "pack: the given 2-D position_ids do not count 0, 1, 2, ... over each row's real tokens, so the "
+                "packed row could not mark where sequences begin; pass position_ids=None (pack counts them) or the "
+                "model's 3-row mRoPE ids")
     four = vision if vision is not None else (position_ids is not None and position_ids.dim() == 3)
     if position_ids is not None and position_ids.dim() == 3:
         rows = position_ids.flatten(1)[:, indices].unsqueeze(1)
@@ -63,8 +72,48 @@ def pack(input_ids, attention_mask, position_ids=None, *, vision=None):
     return PackedBatch(ids, pos, cu, int(lengths.max()), indices, batch, seq)
 
 
+def _check_pack(input_ids, attention_mask, position_ids, vision):
+    for name, t in (("input_ids", input_ids), ("attention_mask", attention_mask)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype.is_floating_point:
+            raise PackingError(f"pack: {name} must be an integer (batch, seq) tensor, got "
+                               f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+                               f"{' of ' + str(t.dtype) if isinstance(t, torch.Tensor) else ''}")
+    if input_ids.shape != attention_mask.shape:
+        raise PackingError(f"pack: input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
+                           f"must have the same shape")
+    if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+        raise PackingError("pack: attention_mask must hold only 0 and 1 (1 for real tokens)")
+    mask = attention_mask.bool()
+    lengths = mask.sum(dim=1)
+    if bool((lengths == 0).any()):
+        row = int(torch.nonzero(lengths == 0)[0])
+        raise PackingError(f"pack: row {row} of attention_mask has no real token; drop empty rows before packing")
+    runs = (mask[:, 1:] & ~mask[:, :-1]).sum(dim=1) + mask[:, 0].long()
+    if bool((runs > 1).any()):
+        row = int(torch.nonzero(runs > 1)[0])
+        raise PackingError(f"pack: row {row} of attention_mask has a hole (padding between real tokens); only left or "
+                           f"right padding can be packed")
+    if position_ids is not None:
+        b, s = input_ids.shape
+        ok = (position_ids.dim() == 2 and tuple(position_ids.shape) == (b, s)) or \
+             (position_ids.dim() == 3 and tuple(position_ids.shape) == (3, b, s))
+        if not isinstance(position_ids, torch.Tensor) or position_ids.dtype.is_floating_point or not ok:
+            raise PackingError(f"pack: position_ids must be integer (batch, seq) = {(b, s)} or (3, batch, seq) = "
+                               f"{(3, b, s)} (the model's get_rope_index output), got "
+                               f"{tuple(position_ids.shape)} of {position_ids.dtype}")
+        if vision is False and position_ids.dim() == 3:
+            raise PackingError("pack: vision=False but 3-row mRoPE position_ids were given; they need the 4-row "
+                               "layout (vision=True or None)")
+    return mask
+
+
 def unpack(x, packed):
     """(1, total, ...) -> (batch, seq, ...), zeros at padding."""
+    total = packed.indices.numel()
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] != 1 or x.shape[1] != total:
+        raise PackingError(f"unpack: expected the packed output (1, {total}, ...), got "
+                           f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}; pass the output "
+                           f"of the packed row this PackedBatch describes")
     tail = x.shape[2:]
     out = x.new_zeros((packed.batch_size * packed.seq_len, *tail))
     out = out.index_copy(0, packed.indices, x[0])
@@ -83,8 +132,15 @@ def current():
 @contextlib.contextmanager
 def packed(cu_seqlens, max_seqlen=None):
     """Within the block, patched attention uses these boundaries (int32 (num_seqs + 1,))."""
-    if max_seqlen is None:
-        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    from .varlen import check_cu_seqlens
+
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise PackingError(f"packed: cu_seqlens must be a 1-D tensor (0, ..., total), got {cu_seqlens!r}")
+    bounds = check_cu_seqlens(cu_seqlens, int(cu_seqlens[-1]), "packed: cu_seqlens")
+    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    if max_seqlen is not None and int(max_seqlen) != longest:
+        raise PackingError(f"packed: max_seqlen {int(max_seqlen)} but the longest sequence has {longest} tokens")
+    max_seqlen = longest
     stack = getattr(_state, "stack", None)
     if stack is None:
         stack = _state.stack = []

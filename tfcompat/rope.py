@@ -27,7 +27,7 @@ import os
 
 from . import _resolve
 from ._families import family as _family
-from .errors import RopeShapeError
+from .errors import ConfigError, RopeShapeError
 
 __all__ = ["apply_rope", "apply_rope_", "prepare", "IMPLS"]
 
@@ -48,13 +48,17 @@ def _impl(impl):
     chosen = impl if impl is not None else os.environ.get("TFCOMPAT_ROPE_IMPL", "auto")
     if chosen not in IMPLS:
         source = "impl=" if impl is not None else "TFCOMPAT_ROPE_IMPL="
-        raise ValueError(f"apply_rope: {source}{chosen!r} is not one of {', '.join(IMPLS)}")
+        raise ConfigError(f"apply_rope: {source}{chosen!r} is not one of {', '.join(IMPLS)}")
     return chosen
 
 
 def _section(fam, config, mrope_section, plan, cos):
     if mrope_section is not None:
-        section = tuple(int(s) for s in mrope_section)
+        try:
+            section = tuple(int(s) for s in mrope_section)
+        except (TypeError, ValueError):
+            raise RopeShapeError(f"apply_rope for {fam.name}: mrope_section must be 3 integers, got "
+                                 f"{mrope_section!r}") from None
     elif config is not None:
         from .config import rope_parameters
 
@@ -78,6 +82,11 @@ def _section(fam, config, mrope_section, plan, cos):
 def _check(fam, res, q, k, cos, sin, unsqueeze_dim):
     plan = res.plan
     ver = res.transformers
+    import torch
+
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor):
+            raise RopeShapeError(f"apply_rope for {fam.name}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if cos.shape != sin.shape:
         raise RopeShapeError(f"apply_rope for {fam.name}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ")
     if q.dim() != 4 or k.dim() != 4:
@@ -98,12 +107,20 @@ def _check(fam, res, q, k, cos, sin, unsqueeze_dim):
         )
     seq_dim = 2 if unsqueeze_dim == 1 else 1
     batch, seq, width = cos.shape[-3], cos.shape[-2], cos.shape[-1]
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        if not t.dtype.is_floating_point:
+            raise RopeShapeError(f"apply_rope for {fam.name}: {name} has dtype {t.dtype}; q, k, cos and sin must be "
+                                 f"floating point (cast integer tensors before rotating them)")
+        if t.device != q.device:
+            raise RopeShapeError(f"apply_rope for {fam.name}: {name} is on {t.device} but q is on {q.device}; "
+                                 f"move cos/sin to q's device")
     for name, t in (("q", q), ("k", k)):
-        if t.shape[seq_dim] != seq or t.shape[0] not in (batch, 1) and batch != 1:
+        if t.shape[seq_dim] != seq or (batch != 1 and t.shape[0] != batch):
             raise RopeShapeError(
                 f"apply_rope for {fam.name}: {name} has shape {tuple(t.shape)} but cos has batch {batch} and "
                 f"seq {seq}; with unsqueeze_dim={unsqueeze_dim}, {name} must be "
-                f"{'(batch, heads, seq, head_dim)' if unsqueeze_dim == 1 else '(batch, seq, heads, head_dim)'}"
+                f"{'(batch, heads, seq, head_dim)' if unsqueeze_dim == 1 else '(batch, seq, heads, head_dim)'} "
+                f"with cos's batch (or cos of batch 1)"
             )
         if width > t.shape[-1] or width % 2:
             raise RopeShapeError(
@@ -183,4 +200,13 @@ def apply_rope_(q, k, cos, sin, *, config=None, model_type=None, mrope_section=N
     """
     fam, res, seq_dim = _prepare(q, k, cos, sin, config, model_type, mrope_section, unsqueeze_dim)
     section = _section(fam, config, mrope_section, res.plan, cos) if res.plan.cos_rows == 3 else None
+    import torch
+
+    if q is k or (q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() and torch._C._overlaps(q, k)):
+        raise RopeShapeError(f"apply_rope_ for {fam.name}: q and k share memory, so rotating one in place would "
+                             f"rotate the other twice; pass separate tensors, or use apply_rope")
+    for name, t in (("q", q), ("k", k)):
+        if t.requires_grad and t.is_leaf:
+            raise RopeShapeError(f"apply_rope_ for {fam.name}: {name} is a leaf tensor that requires grad; it cannot "
+                                 f"be rotated in place; use apply_rope, or pass the projection output")
     return _native(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace=True)
