@@ -222,6 +222,9 @@ def _text_model_forward(self, *args, **kwargs):
 
     state = getattr(self, _ATTR)
     explicit = {k: kwargs.pop(k) for k in _FLASH_KWARGS if k in kwargs}
+    scope = _scoped()
+    if not explicit and scope is not None and scope[0] == "explicit":
+        explicit = scope[1]
     a = _arguments(self, args, kwargs)
     if a is None:
         return _original(self, state, *args, **kwargs)  # upstream says what is wrong with the call
@@ -266,6 +269,17 @@ def _text_model_forward(self, *args, **kwargs):
     a.update(changed)
     with _Scope(("step", step)):
         return _original(self, state, **a)
+
+
+def _top_forward(self, *args, **kwargs):
+    """The model patch() was given: takes the flash-attn keyword arguments on every release (some top-level
+    forwards reject them) and hands them to the text model of this call."""
+    state = getattr(self, _ATTR)
+    explicit = {k: kwargs.pop(k) for k in _FLASH_KWARGS if k in kwargs}
+    if not explicit:
+        return _original(self, state, *args, **kwargs)
+    with _Scope(("explicit", explicit)):
+        return _original(self, state, *args, **kwargs)
 
 
 def _check_ulysses_lengths(local, batch, group, state):
@@ -538,7 +552,7 @@ def _linear_forward(self, hidden_states, *args, **kwargs):
     return torch.cat(outs, dim=1)
 
 
-_FORWARDS = {"text": _text_model_forward, "rotary": _rotary_forward, "layer": _layer_forward,
+_FORWARDS = {"top": _top_forward, "text": _text_model_forward, "rotary": _rotary_forward, "layer": _layer_forward,
              "attention": _attention_forward, "linear": _linear_forward}
 
 
@@ -630,6 +644,8 @@ def patch(model, *, remove_padding=True, ulysses_group=None):
                     f"{len(rotary)} {rotary_cls.__name__} children; tfcompat cannot carry boundaries through it; "
                     f"please report this release")
             targets += [(text, "text"), (rotary[0], "rotary")]
+        if not any(model is t for t in texts):
+            targets.append((model, "top"))
         mixers = [(m, "attention") for m in attentions]
         mixers += [(m, "linear") for m in model.modules() if linear_cls is not None and isinstance(m, linear_cls)]
         # the decoder layer is the module that holds a token mixer as a child, whatever wraps it

@@ -132,6 +132,12 @@ def _check(fam, res, q, k, cos, sin, unsqueeze_dim):
 
 def _prepare(q, k, cos, sin, config, model_type, mrope_section, unsqueeze_dim):
     fam = _family(model_type if model_type is not None else config)
+    if mrope_section is not None:
+        ok = isinstance(mrope_section, (tuple, list)) and len(mrope_section) == 3 and \
+            all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in mrope_section)
+        if not ok:
+            raise RopeShapeError(f"apply_rope for {fam.name}: mrope_section must be 3 non-negative integers "
+                                 f"(T, H, W), got {mrope_section!r}")
     res = _resolve.resolve("rope.apply", fam.name)
     seq_dim = _check(fam, res, q, k, cos, sin, unsqueeze_dim)
     return fam, res, seq_dim

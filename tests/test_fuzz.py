@@ -1,0 +1,367 @@
+"""Fail closed: every outcome of the public API is either the oracle's number or a TfcompatError.
+
+Two parts: a catalogue of bad inputs a user can pass, each with the message it must get (what was
+found, what fits); and property-based fuzzing (hypothesis) of apply_rope, pack/unpack, varlen_attention
+and packed model calls, whose only allowed outcomes are "equals the oracle" and "TfcompatError".
+"""
+
+import collections
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tfcompat
+from tfcompat._families import FAMILIES as SPECS
+from tfcompat.config import rope_parameters
+from tfcompat.errors import TfcompatError
+from tfcompat.packing import pack, packed, unpack
+from tfcompat.rope import apply_rope, apply_rope_
+from tfcompat.varlen import cu_seqlens_from_position_ids, varlen_attention
+
+from _helpers import TOL, installed, position_ids, rotary, upstream_rope
+from _models import padded, tiny_model, tiny_sequence
+
+FAMILIES = installed()
+NAME = "qwen2" if "qwen2" in FAMILIES else FAMILIES[0]
+VL = next(n for n in ("qwen2_vl", "qwen2_5_vl") if n in FAMILIES)
+OUTCOMES = collections.Counter()
+
+
+def _rope_inputs(name=NAME, batch=1, seq=5):
+    rot, config = rotary(name)
+    g = torch.Generator().manual_seed(0)
+    cos, sin = rot(torch.zeros(1), position_ids(name, batch, seq, g))
+    d = rope_parameters(config).head_dim
+    return config, cos, sin, torch.randn(batch, 4, seq, d, generator=g), torch.randn(batch, 2, seq, d, generator=g)
+
+
+def _packed_model():
+    model = tiny_model(NAME)
+    tfcompat.patch(model)
+    ids, mask = padded([tiny_sequence(NAME, text=5), tiny_sequence(NAME, text=3)])
+    return model, ids, mask, pack(ids, mask)
+
+
+def _bad_cases():
+    config, cos, sin, q, k = _rope_inputs()
+    _, cos2, sin2, _, _ = _rope_inputs(batch=2)
+    ids, mask = padded([[10, 11, 12], [10, 11]])
+    pk = pack(ids, mask)
+    qv = torch.randn(8, 4, 16)
+    kv = torch.randn(8, 2, 16)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+
+    cases = [
+        # apply_rope / apply_rope_
+        ("rope: q of batch 1 against cos of batch 2", lambda: apply_rope(q, k, cos2, sin2, config=config),
+         "cos's batch"),
+        ("rope: integer q", lambda: apply_rope(q.long(), k, cos, sin, config=config), "must be floating point"),
+        ("rope: integer cos", lambda: apply_rope(q, k, cos.long(), sin, config=config), "must be floating point"),
+        ("rope: aliased q and k in place", lambda: apply_rope_(*(lambda t: (t, t))(q.clone()), cos, sin,
+                                                               config=config), "share memory"),
+        ("rope: leaf requiring grad in place", lambda: apply_rope_(q.clone().requires_grad_(True), k.clone(), cos, sin,
+                                                                   config=config), "leaf tensor that requires grad"),
+        ("rope: 3-D q", lambda: apply_rope(q[0], k, cos, sin, config=config), "must be 4-D"),
+        ("rope: cos/sin differ", lambda: apply_rope(q, k, cos, sin[..., :-2], config=config), "differ"),
+        ("rope: wrong seq", lambda: apply_rope(q[:, :, :3], k, cos, sin, config=config), "but cos has batch"),
+        ("rope: cos wider than head_dim", lambda: apply_rope(q[..., :8], k[..., :8], cos, sin, config=config),
+         "at most"),
+        ("rope: unsqueeze_dim 3", lambda: apply_rope(q, k, cos, sin, config=config, unsqueeze_dim=3),
+         "unsqueeze_dim must be 1 or 2"),
+        ("rope: unknown family", lambda: apply_rope(q, k, cos, sin, model_type="gpt2"), "does not cover model_type"),
+        ("rope: unknown impl", lambda: apply_rope(q, k, cos, sin, config=config, impl="fastest"), "is not one of"),
+        ("rope: not a tensor", lambda: apply_rope([1.0], k, cos, sin, config=config), "must be a torch.Tensor"),
+        ("rope: 3-D cos", lambda: apply_rope(q, k, cos[0], sin[0], config=config), "returns"),
+        ("rope: bad mrope_section", lambda: apply_rope(q, k, *_rope_inputs(VL)[1:3], model_type=VL,
+                                                      mrope_section="abc"), "mrope_section"),
+        # pack / unpack / packed
+        ("pack: shapes differ", lambda: pack(ids, mask[:, :2]), "must have the same shape"),
+        ("pack: mask with a hole", lambda: pack(ids, torch.tensor([[1, 0, 1], [1, 1, 0]])), "has a hole"),
+        ("pack: empty row", lambda: pack(ids, torch.tensor([[1, 1, 1], [0, 0, 0]])), "has no real token"),
+        ("pack: mask of 2s", lambda: pack(ids, mask * 2), "only 0 and 1"),
+        ("pack: float ids", lambda: pack(ids.float(), mask), "integer (batch, seq)"),
+        ("pack: 1-D ids", lambda: pack(ids[0], mask[0]), "integer (batch, seq)"),
+        ("pack: 3-row ids of another shape", lambda: pack(ids, mask, torch.zeros(3, 2, 5, dtype=torch.long)),
+         "position_ids must be integer"),
+        ("pack: 2-D ids that do not count", lambda: pack(ids, mask, torch.ones_like(ids)),
+         "do not count 0, 1, 2"),
+        ("pack: vision=False with 3-row ids", lambda: pack(ids, mask, torch.zeros(3, 2, 3, dtype=torch.long),
+                                                            vision=False), "vision=False"),
+        ("unpack: batch 2", lambda: unpack(torch.zeros(2, 5, 4), pk), "expected the packed output"),
+        ("unpack: wrong length", lambda: unpack(torch.zeros(1, 4, 4), pk), "expected the packed output"),
+        ("packed: not increasing", lambda: packed(torch.tensor([0, 3, 3, 5])).__enter__(), "strictly increase"),
+        ("packed: not from 0", lambda: packed(torch.tensor([1, 3, 5])).__enter__(), "start at 0"),
+        ("packed: float", lambda: packed(torch.tensor([0.0, 3.0])).__enter__(), "integer tensor"),
+        ("packed: max_seqlen off", lambda: packed(torch.tensor([0, 3, 5]), 7).__enter__(), "max_seqlen 7"),
+        # varlen
+        ("varlen: decreasing cu", lambda: varlen_attention(qv, kv, kv, torch.tensor([0, 5, 3, 8])),
+         "strictly increase"),
+        ("varlen: cu short of the tokens", lambda: varlen_attention(qv, kv, kv, torch.tensor([0, 3, 6])),
+         "but the row has 8 tokens"),
+        ("varlen: k of another length", lambda: varlen_attention(qv, kv[:6], kv[:6], cu), "k and v of q's token count"),
+        ("varlen: heads do not divide", lambda: varlen_attention(torch.randn(8, 3, 16), kv, kv, cu),
+         "not a multiple"),
+        ("varlen: 2-D q", lambda: varlen_attention(qv[:, 0], kv, kv, cu), "must be (total_tokens, heads, head_dim)"),
+        ("varlen: integer q", lambda: varlen_attention(qv.long(), kv, kv, cu), "floating-point"),
+        ("varlen: max_seqlen off", lambda: varlen_attention(qv, kv, kv, cu, 9), "max_seqlen 9"),
+        ("varlen: 2-D cu", lambda: varlen_attention(qv, kv, kv, cu.view(1, -1)), "1-D integer tensor"),
+        ("varlen: bad window", lambda: varlen_attention(qv, kv, kv, cu, window=0), "window must be a positive int"),
+        ("cu from ids: going down", lambda: cu_seqlens_from_position_ids(torch.tensor([[0, 1, 2, 1, 2]])),
+         "without restarting at 0"),
+        ("cu from ids: 3-row", lambda: cu_seqlens_from_position_ids(torch.zeros(3, 1, 4, dtype=torch.long)),
+         "3-row mRoPE ids"),
+        ("cu from ids: float", lambda: cu_seqlens_from_position_ids(torch.zeros(1, 4)), "integer tensor"),
+        # the patched model
+        ("model: packed row with an explicit cache", _cache_call, "KV cache"),
+        ("model: packed row with output_attentions", lambda: _model_call(output_attentions=True),
+         "output_attentions=True"),
+        ("model: cu_seq_lens_q that do not end at the tokens",
+         lambda: _model_call(cu_seq_lens_q=torch.tensor([0, 3, 7], dtype=torch.int32)), "but the row has 8 tokens"),
+        ("model: cu_seq_lens_q not increasing",
+         lambda: _model_call(cu_seq_lens_q=torch.tensor([0, 5, 5, 8], dtype=torch.int32)), "strictly increase"),
+        ("model: max_length_q off",
+         lambda: _model_call(cu_seq_lens_q=torch.tensor([0, 5, 8], dtype=torch.int32), max_length_q=4),
+         "max_length_q is 4"),
+        ("model: cu_seq_lens_q and _k differ",
+         lambda: _model_call(cu_seq_lens_q=torch.tensor([0, 5, 8], dtype=torch.int32),
+                             cu_seq_lens_k=torch.tensor([0, 4, 8], dtype=torch.int32)), "differ"),
+        ("model: packed row with padding in the mask", lambda: _model_call(mask_hole=True), "padding in"),
+        ("model: packed batch of 2", lambda: _model_call(batch2=True), "packed rows must be batch 1"),
+        ("model: ids going down", lambda: _model_call(position_ids=torch.tensor([[0, 1, 2, 3, 4, 2, 3, 4]])),
+         "without restarting at 0"),
+        ("model: 5-row ids", lambda: _model_call(position_ids=torch.zeros(5, 1, 8, dtype=torch.long)),
+         "position_ids of shape"),
+        ("model: 3-row ids of a packed VL row", lambda: _vl_three_rows(), "3-row mRoPE ids cannot mark"),
+        ("patch: not a model", lambda: tfcompat.patch(torch.nn.Linear(2, 2)), "cannot tell the model family"),
+    ]
+    return cases
+
+
+def _model_call(position_ids=None, mask_hole=False, batch2=False, **kw):
+    model, ids, mask, pk = _packed_model()
+    input_ids = pk.input_ids
+    pos = pk.position_ids if position_ids is None else position_ids
+    if mask_hole:
+        kw["attention_mask"] = torch.ones_like(input_ids).index_fill(1, torch.tensor([6]), 0)
+    if batch2:
+        input_ids, pos = input_ids.repeat(2, 1), pos.repeat(2, 1)
+    with torch.no_grad():
+        return model(input_ids=input_ids, position_ids=pos, **kw)
+
+
+def _cache_call():
+    from transformers import DynamicCache
+
+    model, ids, mask, pk = _packed_model()
+    with torch.no_grad():
+        try:
+            cache = DynamicCache(config=model.config)
+        except TypeError:
+            cache = DynamicCache()
+        return model(input_ids=pk.input_ids, position_ids=pk.position_ids, past_key_values=cache, use_cache=True)
+
+
+def _vl_three_rows():
+    model = tiny_model(VL)
+    tfcompat.patch(model)
+    ids, mask = padded([tiny_sequence(VL, text=5), tiny_sequence(VL, text=3)])
+    pk = pack(ids, mask, vision=True)
+    with torch.no_grad():
+        return model(input_ids=pk.input_ids, position_ids=pk.position_ids[1:])
+
+
+BAD = _bad_cases()
+
+
+def test_at_least_forty_distinct_bad_inputs():
+    assert len({label for label, _, _ in BAD}) >= 40
+
+
+@pytest.mark.parametrize("label,fn,message", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_a_clear_error(label, fn, message):
+    with pytest.raises(TfcompatError) as info:
+        fn()
+    assert message in str(info.value), f"{label}: {info.value}"
+    assert "tfcompat" in str(info.value) or ":" in str(info.value)
+
+
+# --------------------------------------------------------------------------- property-based
+SETTINGS = dict(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+
+
+def _outcome(kind, fn, oracle=None, check=None):
+    """Run fn: a TfcompatError, or a result that equals the oracle. Anything else fails the test."""
+    try:
+        got = fn()
+    except TfcompatError:
+        OUTCOMES[(kind, "clear error")] += 1
+        return
+    want = oracle()
+    check(got, want)
+    OUTCOMES[(kind, "equals oracle")] += 1
+
+
+FAULT = st.sampled_from([None] * 6 + ["batch", "seq", "dtype", "trim", "cos_dtype"])
+
+
+@settings(**SETTINGS)
+@given(name=st.sampled_from(FAMILIES), qb=st.integers(1, 3), cb1=st.booleans(), seq=st.integers(1, 12),
+       heads=st.integers(1, 4), layout=st.sampled_from([1, 2]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       inplace=st.booleans(), fault=FAULT)
+def test_fuzz_apply_rope(name, qb, cb1, seq, heads, layout, dtype, inplace, fault):
+    g = torch.Generator().manual_seed(seq * 7 + qb)
+    rot, config = rotary(name)
+    d = rope_parameters(config).head_dim - (2 if fault == "trim" else 0)
+    cb = 1 if cb1 else qb
+    cb = cb + 1 if fault == "batch" else cb
+    cseq = seq + 1 if fault == "seq" else seq
+    cos, sin = rot(torch.zeros(1, dtype=dtype), position_ids(name, cb, cseq, g))
+    if fault == "cos_dtype":
+        cos = cos.long()
+    shape = (qb, heads, seq, d) if layout == 1 else (qb, seq, heads, d)
+    q = torch.randn(shape, generator=g).to(dtype if fault != "dtype" else torch.int64)
+    k = q[:, :1].clone() if layout == 1 else q[:, :, :1].clone()
+
+    def ours():
+        if inplace:
+            return apply_rope_(q.clone(), k.clone(), cos, sin, config=config, unsqueeze_dim=layout)
+        return apply_rope(q, k, cos, sin, config=config, unsqueeze_dim=layout)
+
+    def check(got, want):
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            torch.testing.assert_close(a, b, **TOL[a.dtype])
+
+    _outcome("apply_rope", ours, lambda: upstream_rope(name, config)(q, k, cos, sin, unsqueeze_dim=layout), check)
+
+
+def _ref_attention(q, k, v, bounds):
+    outs = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        n = hi - lo
+        rep = q.shape[1] // k.shape[1]
+        ks, vs = k[lo:hi].repeat_interleave(rep, 1), v[lo:hi].repeat_interleave(rep, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[lo:hi], ks) * q.shape[-1] ** -0.5
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs))
+    return torch.cat(outs)
+
+
+@settings(**SETTINGS)
+@given(lengths=st.lists(st.integers(1, 6), min_size=1, max_size=4), heads=st.sampled_from([1, 2, 4]),
+       kv=st.sampled_from([1, 2]), fault=st.sampled_from([None] * 5 + ["jitter", "klen", "empty", "heads"]))
+def test_fuzz_varlen_attention(lengths, heads, kv, fault):
+    if fault == "empty":
+        lengths = lengths + [0]
+    total = sum(lengths)
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    bounds[-1] += 1 if fault == "jitter" else 0
+    heads = 3 if fault == "heads" and kv == 2 else heads
+    kv = min(kv, heads) if fault != "heads" else kv
+    klen = total - 1 if fault == "klen" else total
+    g = torch.Generator().manual_seed(total)
+    q = torch.randn(total, heads, 8, generator=g)
+    k = torch.randn(klen, kv, 8, generator=g)
+    v = torch.randn(klen, kv, 8, generator=g)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+
+    def check(got, want):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    _outcome("varlen_attention", lambda: varlen_attention(q, k, v, cu), lambda: _ref_attention(q, k, v, bounds), check)
+
+
+@settings(**SETTINGS)
+@given(rows=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3), st.booleans()), min_size=1, max_size=4),
+       hole=st.booleans(), shift=st.integers(0, 1))
+def test_fuzz_pack_unpack(rows, hole, shift):
+    width = max(n + p for n, p, _ in rows) or 1
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (n, pad, left) in enumerate(rows):
+        start = width - n if left else 0
+        mask[i, start:start + n] = 1
+        ids[i, start:start + n] = torch.arange(3, 3 + n)
+    if hole and width > 2:
+        mask[0, 1] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0) + shift * (1 - mask)
+
+    def ours():
+        pk = pack(ids, mask, pos)
+        x = torch.arange(pk.input_ids.shape[1], dtype=torch.float32).view(1, -1, 1)
+        return pk, unpack(x, pk)
+
+    def oracle():
+        return None
+
+    def check(got, _):
+        pk, back = got
+        valid = mask.bool()
+        assert torch.equal(pk.input_ids[0], ids[valid])
+        assert torch.equal(back[..., 0][valid], torch.arange(int(valid.sum()), dtype=torch.float32))
+        assert torch.equal(back[..., 0][~valid], torch.zeros(int((~valid).sum())))
+        assert pk.cu_seqlens.tolist() == [0] + mask.sum(1).cumsum(0).tolist()
+
+    _outcome("pack/unpack", ours, oracle, check)
+
+
+@pytest.fixture(scope="module")
+def models():
+    out = {}
+    for name in [n for n in ("qwen2", "qwen2_vl", "glm4v", "qwen3_vl", "qwen3_5") if n in FAMILIES]:
+        plain = tiny_model(name)
+        patched = tiny_model(name)
+        tfcompat.patch(patched)
+        out[name] = (plain, patched)
+    return out
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_fuzz_packed_model_calls(models, data):
+    """Random packings, boundary sources and flags: equals the padded oracle, or a TfcompatError."""
+    name = data.draw(st.sampled_from(sorted(models)))
+    plain, patched = models[name]
+    lengths = data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=3))
+    source = data.draw(st.sampled_from(["ids", "cu", "context", "cu+ids", "three_rows"]))
+    use_cache = data.draw(st.sampled_from([None, False, True]))
+    train = data.draw(st.booleans())
+    rows = [tiny_sequence(name, text=n) for n in lengths]
+    ids, mask = padded(rows)
+    vision = SPECS[name].vision
+    pk = pack(ids, mask, vision=vision)
+    kw = {} if use_cache is None else {"use_cache": use_cache}
+    if source in ("cu", "cu+ids"):
+        kw["cu_seq_lens_q"] = pk.cu_seqlens
+        kw["max_length_q"] = pk.max_seqlen
+    if source != "cu":
+        kw["position_ids"] = pk.position_ids if source != "three_rows" or not vision else pk.position_ids[1:]
+    patched.train(train)
+    plain.train(train)
+
+    def ours():
+        with torch.no_grad():
+            if source == "context":
+                with packed(pk.cu_seqlens):
+                    return unpack(patched(input_ids=pk.input_ids, **kw).logits, pk)
+            return unpack(patched(input_ids=pk.input_ids, **kw).logits, pk)
+
+    def oracle():
+        with torch.no_grad():
+            return plain(input_ids=ids, attention_mask=mask).logits
+
+    def check(got, want):
+        valid = mask.bool()
+        torch.testing.assert_close(got[valid], want[valid], rtol=1e-4, atol=1e-4)
+
+    _outcome("packed model call", ours, oracle, check)
+
+
+def test_zz_fuzz_outcomes_are_reported():
+    """Print the outcome classes of the property-based runs (the closing note quotes them)."""
+    print("\nfuzz outcomes:", dict(OUTCOMES))
+    assert OUTCOMES, "the property-based tests did not run"
