@@ -1,24 +1,33 @@
-"""Spawned-process helpers: file rendezvous in a temporary folder (no TCP port), hard timeout."""
+"""Spawned-process helpers: file rendezvous in a temporary folder (no TCP port), hard timeouts.
+
+``run_scenarios`` spawns the workers once and runs many cases in them (spawning costs seconds per
+process: importing torch and transformers), each case's outcome recorded per rank.
+"""
 
 import datetime
+import json
 import os
 import sys
 import tempfile
 import time
+import traceback
 
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank, fn, world, init, args):
+def _entry(rank, fn, world, init, args, out):
     import torch
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    fn(rank, world, *args)
+                            timeout=datetime.timedelta(seconds=60))
+    results = fn(rank, world, *args)
     dist.barrier()  # nobody leaves while a peer still reads its last message
+    if out is not None:
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(results or {}, f)
     # gloo's transport threads can abort the interpreter's teardown ("terminate called without
     # an active exception"); the work is done and checked, so leave without tearing down
     sys.stdout.flush()
@@ -26,13 +35,50 @@ def _entry(rank, fn, world, init, args):
     os._exit(0)
 
 
-def spawn(fn, world, *args, timeout=300):
+def spawn(fn, world, *args, timeout=300, collect=False):
     folder = tempfile.mkdtemp(prefix="tfcompat-dist-")
     init = "file://" + os.path.join(folder, "rendezvous")
-    ctx = mp.start_processes(_entry, args=(fn, world, init, args), nprocs=world, join=False, start_method="spawn")
+    out = folder if collect else None
+    ctx = mp.start_processes(_entry, args=(fn, world, init, args, out), nprocs=world, join=False,
+                             start_method="spawn")
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
             pytest.fail(f"spawned test did not finish in {timeout}s (hang?)")
+    if collect:
+        return [json.load(open(os.path.join(folder, f"rank{r}.json"))) for r in range(world)]
+    return None
+
+
+def run_cases(rank, cases):
+    """Run ``(name, fn)`` cases in order on this rank; record "ok" or the traceback of each.
+
+    A barrier after each case keeps the ranks in step; a case that fails on one rank while a peer waits
+    in a collective ends by the process group's timeout, not a hang.
+    """
+    results = {}
+    for name, fn in cases:
+        try:
+            fn()
+            results[name] = "ok"
+        except Exception:  # recorded and asserted by the test of that case
+            results[name] = traceback.format_exc()[-3000:]
+        try:
+            dist.barrier()
+        except Exception:
+            results[name] += "\n(barrier after the case failed)"
+            break
+    return results
+
+
+def merged(per_rank):
+    """case -> "ok" if every rank says ok, else the first rank's failure."""
+    out = {}
+    for rank, results in enumerate(per_rank):
+        for name, value in results.items():
+            if value != "ok" and out.get(name, "ok") == "ok":
+                out[name] = f"rank {rank}: {value}"
+            out.setdefault(name, value)
+    return out

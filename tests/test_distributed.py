@@ -1,4 +1,10 @@
-"""Ulysses sequence parallelism and the dummy visual forward under DDP, over gloo with 2 processes."""
+"""Ulysses sequence parallelism and the dummy visual forward under DDP / FSDP2, over gloo.
+
+The two workers are spawned once for the whole module and run every case (spawning costs seconds
+per process); each test asserts the outcome of its own case on every rank.
+"""
+
+import functools
 
 import pytest
 import torch
@@ -7,14 +13,16 @@ import torch.distributed as dist
 import tfcompat
 from tfcompat._families import FAMILIES as SPECS
 from tfcompat.embeds import get_input_embeds, rope_index
-from tfcompat.packing import pack
-from tfcompat.ulysses import UlyssesError, gather_from_ranks, slice_for_rank
+from tfcompat.errors import UlyssesError
+from tfcompat.packing import pack, unpack
+from tfcompat.ulysses import gather_from_ranks, slice_for_rank
 
-from _dist import spawn
+from _dist import merged, run_cases, spawn
 from _helpers import installed
 from _models import padded, text_model, tiny_model, tiny_pixels, tiny_sequence
 
 HAVE = installed()
+ULYSSES = [n for n in HAVE if n not in ("qwen3_5", "qwen3_5_moe")]  # linear attention: refused (tested below)
 
 
 def _close(got, want, what):
@@ -22,27 +30,32 @@ def _close(got, want, what):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=3e-5 * scale, msg=lambda m: f"{what}: {m}")
 
 
-def _ulysses_worker(rank, world, name, kv_heads):
-    rows = [tiny_sequence(name, text=7), tiny_sequence(name, text=4)]
+def _ulysses_worker(rank, world, name, kv_heads, ckpt):
+    """Patched, packed, sliced over 2 ranks, checkpointed, use_cache not passed, train mode == unpatched padded."""
+    rows = [tiny_sequence(name, text=7), tiny_sequence(name, text=4), tiny_sequence(name, text=2)]
     ids, mask = padded(rows)
     pk = pack(ids, mask, vision=SPECS[name].vision)
     total = pk.input_ids.shape[1]
-    weights = torch.randn(1, total, 256, generator=torch.Generator().manual_seed(3))
+    weights = torch.randn(*ids.shape, 256, generator=torch.Generator().manual_seed(3))
 
     ref = tiny_model(name, num_key_value_heads=kv_heads)
-    tfcompat.patch(ref)
-    want = ref(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False).logits
-    (want * weights).sum().backward()
+    ref.train()
+    want = ref(input_ids=ids, attention_mask=mask).logits
+    (want * weights * mask[..., None]).sum().backward()
 
     model = tiny_model(name, num_key_value_heads=kv_heads)
     record = tfcompat.patch(model, ulysses_group=dist.group.WORLD)
     assert record.ulysses_world_size == world
+    model.train()
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ckpt == "reentrant"})
     local_ids = slice_for_rank(pk.input_ids, dim=1)
     local_pos = slice_for_rank(pk.position_ids, dim=pk.position_ids.dim() - 1)
-    local = model(input_ids=local_ids, position_ids=local_pos, use_cache=False).logits
-    got = gather_from_ranks(local, dim=1, length=total)
-    (got * weights).sum().backward()
-    _close(got.detach(), want.detach(), f"rank {rank} logits")
+    local = model(input_ids=local_ids, position_ids=local_pos).logits
+    got = unpack(gather_from_ranks(local, dim=1, length=total), pk)
+    (got * weights * mask[..., None]).sum().backward()
+    valid = mask.bool()
+    _close(got.detach()[valid], want.detach()[valid], f"rank {rank} logits")
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         if q.grad is None:  # the vision tower of a text-only batch
             assert p.grad is None, n
@@ -52,23 +65,78 @@ def _ulysses_worker(rank, world, name, kv_heads):
         _close(grad, q.grad, f"rank {rank} grad {n}")
 
 
-@pytest.mark.parametrize("name,kv_heads", [("qwen2", 2), ("qwen2_vl", 1), ("glm4v", 2), ("qwen3_vl", 1)])
-def test_ulysses_equals_single_process(name, kv_heads):
-    """World 2; kv_heads=1 checks a group larger than the kv head count."""
-    if name not in HAVE:
-        pytest.skip("not in this release")
-    spawn(_ulysses_worker, 2, name, kv_heads)
-
-
 def _bad_heads_worker(rank, world):
     model = tiny_model("qwen2", num_attention_heads=3, num_key_value_heads=1, head_dim=32)
     with pytest.raises(UlyssesError, match="3 attention heads of qwen2 do not divide over 2 ranks"):
         tfcompat.patch(model, ulysses_group=dist.group.WORLD)
 
 
-def test_ulysses_refuses_heads_that_do_not_divide():
-    spawn(_bad_heads_worker, 2)
+def _unequal_lengths_worker(rank, world):
+    """Ranks with unequal local lengths: a UlyssesError on every rank (checked before the all-to-all)."""
+    model = tiny_model("qwen2")
+    tfcompat.patch(model, ulysses_group=dist.group.WORLD)
+    n = 4 + rank
+    with pytest.raises(UlyssesError, match=r"Ulysses ranks hold \[4, 5\] tokens"):
+        model(input_ids=torch.arange(10, 10 + n).view(1, -1), position_ids=torch.arange(n).view(1, -1))
+    with pytest.raises(UlyssesError, match="batch 1"):
+        model(input_ids=torch.arange(10, 14).view(2, 2), position_ids=torch.arange(2).repeat(2, 1))
 
+
+def _linear_refused_worker(rank, world, name):
+    with pytest.raises(UlyssesError, match="linear-attention"):
+        tfcompat.patch(tiny_model(name), ulysses_group=dist.group.WORLD)
+
+
+def _cases(rank, world):
+    cases = []
+    for i, name in enumerate(ULYSSES):
+        kv = 1 if i % 2 else 2
+        ckpt = ("reentrant", "non_reentrant", None)[i % 3]
+        cases.append((f"ulysses:{name}", functools.partial(_ulysses_worker, rank, world, name, kv, ckpt)))
+    for name in ("qwen2_vl", "qwen3_vl"):
+        if name in HAVE:
+            cases.append((f"ulysses_vision:{name}", functools.partial(_ulysses_vision_worker, rank, world, name)))
+    for name in ("qwen2_vl", "glm4v", "qwen3_vl"):
+        if name in HAVE:
+            cases.append((f"ddp:{name}", functools.partial(_ddp_worker, rank, world, name, "ddp")))
+    cases.append(("fsdp:qwen2_vl", functools.partial(_ddp_worker, rank, world, "qwen2_vl", "fsdp")))
+    cases.append(("bad_heads", functools.partial(_bad_heads_worker, rank, world)))
+    cases.append(("unequal_lengths", functools.partial(_unequal_lengths_worker, rank, world)))
+    for name in ("qwen3_5", "qwen3_5_moe"):
+        if name in HAVE:
+            cases.append((f"linear_refused:{name}", functools.partial(_linear_refused_worker, rank, world, name)))
+    return run_cases(rank, cases)
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return merged(spawn(_cases, 2, timeout=900, collect=True))
+
+
+def _assert_ok(outcomes, case):
+    assert case in outcomes, f"case {case} did not run: {sorted(outcomes)}"
+    assert outcomes[case] == "ok", outcomes[case]
+
+
+@pytest.mark.parametrize("name", ULYSSES)
+def test_ulysses_with_checkpointing_equals_padded(outcomes, name):
+    """World 2; odd families use 1 kv head (a group larger than the kv head count); checkpointing varies."""
+    _assert_ok(outcomes, f"ulysses:{name}")
+
+
+def test_ulysses_refuses_heads_that_do_not_divide(outcomes):
+    _assert_ok(outcomes, "bad_heads")
+
+
+def test_ulysses_unequal_local_lengths_raise_on_every_rank(outcomes):
+    _assert_ok(outcomes, "unequal_lengths")
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
+def test_ulysses_refuses_linear_attention(outcomes, name):
+    if name not in HAVE:
+        pytest.skip("not in this release")
+    _assert_ok(outcomes, f"linear_refused:{name}")
 
 class _Step(torch.nn.Module):
     """What a training step does: embeddings (real or dummy vision), decoder, head."""
@@ -122,19 +190,14 @@ def _ddp_worker(rank, world, name, mode):
 
 
 @pytest.mark.parametrize("name", ["qwen2_vl", "glm4v", "qwen3_vl"])
-def test_ddp_with_a_text_only_rank(name):
+def test_ddp_with_a_text_only_rank(outcomes, name):
     if name not in HAVE:
         pytest.skip("not in this release")
-    spawn(_ddp_worker, 2, name, "ddp")
+    _assert_ok(outcomes, f"ddp:{name}")
 
 
-def test_fsdp_with_a_text_only_rank():
-    pytest.importorskip("torch.distributed.fsdp")
-    from torch.distributed import fsdp
-
-    if not hasattr(fsdp, "fully_shard"):
-        pytest.skip("this torch has no FSDP2 fully_shard")
-    spawn(_ddp_worker, 2, "qwen2_vl", "fsdp")
+def test_fsdp_with_a_text_only_rank(outcomes):
+    _assert_ok(outcomes, "fsdp:qwen2_vl")
 
 
 def _ulysses_vision_worker(rank, world, name):
@@ -183,8 +246,8 @@ def _ulysses_vision_worker(rank, world, name):
 
 
 @pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_vl"])
-def test_ulysses_with_images_and_deepstack(name):
+def test_ulysses_with_images_and_deepstack(outcomes, name):
     """Embeddings on the full row, then each rank keeps its slice (Qwen3-VL: of the deepstack rows too)."""
     if name not in HAVE:
         pytest.skip("not in this release")
-    spawn(_ulysses_vision_worker, 2, name)
+    _assert_ok(outcomes, f"ulysses_vision:{name}")
