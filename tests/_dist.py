@@ -22,7 +22,7 @@ def _entry(rank, fn, world, init, args, out):
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=180))
     results = fn(rank, world, *args)
     dist.barrier()  # nobody leaves while a peer still reads its last message
     if out is not None:
