@@ -112,3 +112,78 @@ def test_rope_index_of_multi_frame_videos(name):
     assert torch.equal(whole, frames)
     video = ids[0] == model.config.video_token_id
     assert whole[1, 0][video].tolist() != whole[0, 0][video].tolist(), "video tokens must get 3-D positions"
+
+
+def _vl_batch(name, left):
+    rows = [tiny_sequence(name, text=5, image=True, video=True), tiny_sequence(name, text=3),
+            tiny_sequence(name, text=4, image=True, image_first=True)]
+    from _models import padded
+
+    ids, mask = padded(rows)
+    if left:  # left padding: roll each row's padding to the front
+        for i in range(ids.shape[0]):
+            n = int(mask[i].sum())
+            ids[i] = torch.roll(ids[i], ids.shape[1] - n)
+            mask[i] = torch.roll(mask[i], ids.shape[1] - n)
+    pixels = tiny_pixels(images=2, videos=1)
+    return ids, mask, pixels
+
+
+@pytest.mark.parametrize("name", VISION)
+@pytest.mark.parametrize("left", [False, True], ids=["right_pad", "left_pad"])
+def test_rope_index_from_a_config_equals_the_models_forward(name, left):
+    """A data-loading worker holds a config, not a model: same ids as the model's own forward computes."""
+    if SPECS[name].video_frames_as_image_tokens:
+        pytest.skip("GLM-4V's own forward cannot take images and videos together (same placeholder token)")
+    model = tiny_model(name)
+    ids, mask, pixels = _vl_batch(name, left)
+    seen = run_upstream(lambda: capture_text_model_inputs(model, input_ids=ids, attention_mask=mask,
+                                                           **forward_kwargs(model, ids, **pixels)))
+    grids = dict(image_grid_thw=pixels["image_grid_thw"], video_grid_thw=pixels["video_grid_thw"])
+    got, deltas = rope_index(model.config, ids, attention_mask=mask, **grids)
+    mine, my_deltas = rope_index(model, ids, attention_mask=mask, **grids)
+    assert torch.equal(got, mine) and torch.equal(deltas, my_deltas)
+    want = seen["position_ids"][-3:]
+    valid = mask.bool()
+    assert torch.equal(got[:, valid], want[:, valid])
+
+
+@pytest.mark.parametrize("name", [n for n in VISION if SPECS[n].video_frames_as_image_tokens])
+def test_rope_index_from_a_config_glm_video_frames(name):
+    model = tiny_model(name)
+    ids = torch.tensor([tiny_sequence(name, text=5, video=True)])
+    grid = tiny_pixels(videos=1)["video_grid_thw"]
+    got, _ = rope_index(model.config, ids, video_grid_thw=grid)
+    seen = run_upstream(lambda: capture_text_model_inputs(model, input_ids=ids, attention_mask=torch.ones_like(ids),
+                                                           **forward_kwargs(model, ids, **tiny_pixels(videos=1))))
+    assert torch.equal(got, seen["position_ids"][-3:])
+
+
+def test_rope_index_from_a_config_seconds_per_grid():
+    name = "qwen2_5_vl"
+    if name not in VISION:
+        pytest.skip("not in this release")
+    model = tiny_model(name)
+    ids = torch.tensor([tiny_sequence(name, text=5, video=True)])
+    grid = tiny_pixels(videos=1)["video_grid_thw"]
+    a, _ = rope_index(model.config, ids, video_grid_thw=grid, second_per_grid_ts=torch.tensor([1.0]))
+    b, _ = rope_index(model.config, ids, video_grid_thw=grid, second_per_grid_ts=torch.tensor([4.0]))
+    want, _ = rope_index(model, ids, video_grid_thw=grid, second_per_grid_ts=torch.tensor([4.0]))
+    assert torch.equal(b, want) and not torch.equal(a, b), "seconds per grid must move the temporal positions"
+
+
+@pytest.mark.parametrize("name", VISION)
+def test_rope_index_refuses_what_does_not_fit(name):
+    config = tiny_model(name).config
+    ids = torch.tensor([tiny_sequence(name, text=5, image=True)])
+    grid = tiny_pixels(images=1)["image_grid_thw"]
+    with pytest.raises(EmbedsError, match="image tokens but no image_grid_thw"):
+        rope_index(config, ids)
+    with pytest.raises(EmbedsError, match="describes 8"):
+        rope_index(config, ids, image_grid_thw=torch.tensor([[2, 4, 4]]))
+    with pytest.raises(EmbedsError, match="must have input_ids' shape"):
+        rope_index(config, ids, image_grid_thw=grid, mm_token_type_ids=torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(EmbedsError, match="positive integer"):
+        rope_index(config, ids, image_grid_thw=grid.float())
+    with pytest.raises(EmbedsError, match="not divisible"):
+        rope_index(config, ids, image_grid_thw=torch.tensor([[1, 3, 4]]))

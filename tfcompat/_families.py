@@ -36,6 +36,10 @@ class Family:
     #: classes of the top-level model, the text config, and the bare text model
     config_class: str = ""
     text_config_class: str = ""
+    #: video frames are marked with the image token between video start/end tokens (GLM-4V, GLM-4.5V)
+    video_frames_as_image_tokens: bool = False
+    #: the vision tower returns per-layer deepstack features merged into early decoder layers (Qwen3-VL)
+    deepstack: bool = False
 
     @property
     def modeling(self):
@@ -69,19 +73,20 @@ FAMILIES = {
         Family("glm4v", "glm4v", "Glm4v", "Glm4vTextAttention", "Glm4vTextRotaryEmbedding", "gptj",
                mrope="contiguous", default_mrope_section=(8, 12, 12), reads_partial_rotary=True,
                aliases=("glm4v_text", "glm4_1v"), since="4.53.3", vision=True,
-               config_class="Glm4vConfig", text_config_class="Glm4vTextConfig"),
+               config_class="Glm4vConfig", text_config_class="Glm4vTextConfig", video_frames_as_image_tokens=True),
         Family("glm4v_moe", "glm4v_moe", "Glm4vMoe", "Glm4vMoeTextAttention", "Glm4vMoeTextRotaryEmbedding",
                "neox", mrope="contiguous", default_mrope_section=(8, 12, 12), reads_partial_rotary=True,
                aliases=("glm4v_moe_text", "glm4vmoe_text", "glm4vmoe", "glm4_5v"), since="4.56.0", vision=True,
-               config_class="Glm4vMoeConfig", text_config_class="Glm4vMoeTextConfig"),
+               config_class="Glm4vMoeConfig", text_config_class="Glm4vMoeTextConfig",
+               video_frames_as_image_tokens=True),
         Family("qwen3_vl", "qwen3_vl", "Qwen3VL", "Qwen3VLTextAttention", "Qwen3VLTextRotaryEmbedding", "neox",
                mrope="interleaved", default_mrope_section=(24, 20, 20), aliases=("qwen3_vl_text",),
                since="4.57.0", vision=True,
-               config_class="Qwen3VLConfig", text_config_class="Qwen3VLTextConfig"),
+               config_class="Qwen3VLConfig", text_config_class="Qwen3VLTextConfig", deepstack=True),
         Family("qwen3_vl_moe", "qwen3_vl_moe", "Qwen3VLMoe", "Qwen3VLMoeTextAttention",
                "Qwen3VLMoeTextRotaryEmbedding", "neox", mrope="interleaved", default_mrope_section=(24, 20, 20),
                aliases=("qwen3_vl_moe_text",), since="4.57.0", vision=True,
-               config_class="Qwen3VLMoeConfig", text_config_class="Qwen3VLMoeTextConfig"),
+               config_class="Qwen3VLMoeConfig", text_config_class="Qwen3VLMoeTextConfig", deepstack=True),
         Family("qwen3_5", "qwen3_5", "Qwen3_5", "Qwen3_5Attention", "Qwen3_5TextRotaryEmbedding", "neox",
                mrope="interleaved", default_mrope_section=(11, 11, 10), reads_partial_rotary=True,
                aliases=("qwen3_5_text", "qwen3.5"), since="5.2.0", vision=True,

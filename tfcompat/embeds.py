@@ -110,17 +110,19 @@ def _video_segments(input_ids, start_id, end_id):
     return starts > ends
 
 
-def mm_token_type_ids(model, input_ids):
+def mm_token_type_ids(config_or_model, input_ids):
     """0 for text, 1 for image tokens, 2 for video tokens (GLM marks video frames with image tokens
-    between its video start/end tokens), as the 5.3+ processors produce them."""
+    between its video start/end tokens), as the 5.3+ processors produce them.
+
+    .. versionchanged:: 0.2.0 takes a config as well as a model."""
     import torch
 
-    config = model.config
+    config = getattr(config_or_model, "config", config_or_model)
     fam = _family(config)
     image_id = getattr(config, "image_token_id", None)
     video_id = getattr(config, "video_token_id", None)
     types = torch.zeros_like(input_ids, dtype=torch.int32)
-    if fam.name in ("glm4v", "glm4v_moe"):
+    if fam.video_frames_as_image_tokens:
         in_video = _video_segments(input_ids, config.video_start_token_id, config.video_end_token_id)
         types[(input_ids == image_id) & in_video] = 2
         types[(input_ids == image_id) & ~in_video] = 1
@@ -212,7 +214,7 @@ def get_input_embeds(model, input_ids, *, pixel_values=None, image_grid_thw=None
         return EmbedsResult(embeds + zero.to(embeds.dtype), used_dummy=True)
 
     result = EmbedsResult(embeds)
-    if fam.name in ("qwen3_vl", "qwen3_vl_moe") and deep_parts:
+    if fam.deepstack and deep_parts:
         result.visual_pos_masks, result.deepstack_visual_embeds = _deepstack(deep_parts)
     return result
 
@@ -250,22 +252,100 @@ def _splits_frames_of(function):
                   lambda body: "repeat_interleave(video_grid_thw" in body or "video" not in body)
 
 
-def rope_index(model, input_ids, *, image_grid_thw=None, video_grid_thw=None, attention_mask=None,
-               mm_token_type_ids=None, **kwargs):
-    """``(position_ids (3, batch, seq), rope_deltas (batch, 1))`` from the model's own ``get_rope_index``.
+def _rope_index_method(config_or_model):
+    """``get_rope_index`` bound to the model, or, given a config, to a weightless shell of the class that
+    defines it (nothing is built: no vision tower, no weights), for data-loading workers."""
+    import torch
 
-    Finds the method on ``model.model`` (4.52+) or the model itself (before), and supplies
-    ``mm_token_type_ids`` (required from 5.3) from ``input_ids`` when not given.
+    if isinstance(config_or_model, torch.nn.Module):
+        model = config_or_model
+        owner = getattr(model, "model", None)
+        fn = getattr(owner, "get_rope_index", None) if owner is not None else None
+        if fn is None:
+            fn = getattr(model, "get_rope_index", None)
+        if fn is None:
+            raise UnsupportedTransformersError(f"rope_index: {type(model).__name__} has no get_rope_index (looked "
+                                               f"on .model and the model itself)")
+        return fn, model.config
+    config = config_or_model
+    fam = _family(config)
+    if not fam.vision:
+        raise EmbedsError(f"rope_index: {fam.name} is a text family; its position ids are 0, 1, 2, ... per sequence")
+    from . import _resolve
+
+    module = _resolve._modeling(fam, f"rope_index:{fam.name}")
+    for name in (f"{fam.prefix}Model", f"{fam.prefix}ForConditionalGeneration"):
+        cls = getattr(module, name, None)
+        if cls is not None and hasattr(cls, "get_rope_index"):
+            shell = cls.__new__(cls)
+            torch.nn.Module.__init__(shell)
+            shell.config = config
+            shell.rope_deltas = None
+            return cls.get_rope_index.__get__(shell), config
+    raise UnsupportedTransformersError(f"rope_index: transformers {_resolve._version.transformers_version()} has "
+                                       f"no get_rope_index on {fam.prefix}Model or {fam.prefix}ForConditionalGeneration")
+
+
+def _check_grids(config, input_ids, types, image_grid_thw, video_grid_thw, attention_mask):
+    import torch
+
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+        raise EmbedsError(f"rope_index: input_ids must be an integer (batch, seq) tensor, got "
+                          f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+    if types.shape != input_ids.shape:
+        raise EmbedsError(f"rope_index: mm_token_type_ids {tuple(types.shape)} must have input_ids' shape "
+                          f"{tuple(input_ids.shape)}")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise EmbedsError(f"rope_index: attention_mask {tuple(attention_mask.shape)} must have input_ids' shape "
+                          f"{tuple(input_ids.shape)}")
+    vc = getattr(config, "vision_config", None)
+    merge = getattr(vc, "spatial_merge_size", 2) if vc is not None else 2
+    real = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+    for kind, code, grid in (("image", 1, image_grid_thw), ("video", 2, video_grid_thw)):
+        tokens = int(((types == code) & real).sum())
+        if grid is None:
+            if tokens:
+                raise EmbedsError(f"rope_index: input_ids hold {tokens} {kind} tokens but no {kind}_grid_thw was "
+                                  f"given; pass the grid the processor returned")
+            continue
+        if not isinstance(grid, torch.Tensor) or grid.dim() != 2 or grid.shape[-1] != 3 or \
+                grid.dtype.is_floating_point or bool((grid <= 0).any()):
+            raise EmbedsError(f"rope_index: {kind}_grid_thw must be a positive integer (n, 3) tensor of (t, h, w), got "
+                              f"{getattr(grid, 'shape', type(grid).__name__)}")
+        if bool(((grid[:, 1:] % merge) != 0).any()):
+            raise EmbedsError(f"rope_index: {kind}_grid_thw {grid.tolist()} has h or w not divisible by the spatial "
+                              f"merge size {merge}")
+        want = int(grid.prod(dim=-1).sum()) // (merge * merge)
+        if tokens != want:
+            raise EmbedsError(f"rope_index: input_ids hold {tokens} {kind} tokens but {kind}_grid_thw {grid.tolist()} "
+                              f"describes {want} (t * h * w / {merge}^2 each); the text and the grids do not match")
+
+
+def rope_index(config_or_model, input_ids, *, image_grid_thw=None, video_grid_thw=None, second_per_grid_ts=None,
+               attention_mask=None, mm_token_type_ids=None, **kwargs):
+    """``(position_ids (3, batch, seq), rope_deltas (batch, 1))`` exactly as the installed model's own
+    ``get_rope_index`` computes them.
+
+    Args:
+        config_or_model: a vision-language model, or just its config (a data-loading worker holds no
+            model: nothing is built, no weights, no vision tower).
+        input_ids: (batch, seq) with the family's image/video placeholder tokens.
+        image_grid_thw, video_grid_thw: (n, 3) grids from the processor; second_per_grid_ts: Qwen2.5-VL.
+        attention_mask: (batch, seq), 1 for real tokens.
+        mm_token_type_ids: (batch, seq) 0 text / 1 image / 2 video; computed from input_ids when absent
+            (the 5.3+ ``get_rope_index`` requires it).
+
+    Raises:
+        EmbedsError: vision tokens without a grid, grids that do not match the token counts, type ids or
+            masks of another shape.
+
+    .. versionchanged:: 0.2.0 takes a config; validates grids against the tokens.
     """
-    owner = getattr(model, "model", None)
-    fn = getattr(owner, "get_rope_index", None) if owner is not None else None
-    if fn is None:
-        fn = getattr(model, "get_rope_index", None)
-    if fn is None:
-        raise UnsupportedTransformersError(f"rope_index: {type(model).__name__} has no get_rope_index (looked on "
-                                           f".model and the model itself)")
+    fn, config = _rope_index_method(config_or_model)
+    types = mm_token_type_ids if mm_token_type_ids is not None else globals()["mm_token_type_ids"](config, input_ids)
+    _check_grids(config, input_ids, types, image_grid_thw, video_grid_thw, attention_mask)
     params = inspect.signature(fn).parameters
-    if video_grid_thw is not None and _family(model.config).mrope == "interleaved" and not _splits_frames(fn):
+    if video_grid_thw is not None and _family(config).mrope == "interleaved" and not _splits_frames(fn):
         # Qwen3-VL / Qwen3.5 give each video frame its own vision block; get_rope_index of 5.3.x
         # consumes one grid row per block but does not split the grid per frame (later releases
         # do it themselves): split it here, (t, h, w) -> t x (1, h, w)
@@ -274,10 +354,15 @@ def rope_index(model, input_ids, *, image_grid_thw=None, video_grid_thw=None, at
         video_grid_thw = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)
         video_grid_thw = torch.cat((torch.ones_like(video_grid_thw[:, :1]), video_grid_thw[:, 1:]), dim=1)
     call = dict(image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw, attention_mask=attention_mask)
+    if second_per_grid_ts is not None:
+        call["second_per_grid_ts"] = second_per_grid_ts
     call.update(kwargs)
     if "mm_token_type_ids" in params:
-        if mm_token_type_ids is None:
-            mm_token_type_ids = globals()["mm_token_type_ids"](model, input_ids)
-        call["mm_token_type_ids"] = mm_token_type_ids
+        call["mm_token_type_ids"] = types
     call = {k: v for k, v in call.items() if k in params or any(p.kind is p.VAR_KEYWORD for p in params.values())}
-    return fn(input_ids, **call)
+    try:
+        return fn(input_ids, **call)
+    except (IndexError, StopIteration, RuntimeError, ValueError, KeyError) as exc:
+        raise EmbedsError(f"rope_index: transformers' get_rope_index rejected these inputs ({type(exc).__name__}: "
+                          f"{exc}); check that the grids and placeholder tokens come from the same processor call"
+                          ) from exc
