@@ -60,6 +60,8 @@ def run_cases(rank, cases):
     """
     results = {}
     for name, fn in cases:
+        if os.environ.get("TFCOMPAT_TEST_VERBOSE"):
+            print(f"[rank {rank}] {name}", file=sys.stderr, flush=True)
         try:
             fn()
             results[name] = "ok"

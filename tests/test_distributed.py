@@ -56,13 +56,24 @@ def _ulysses_worker(rank, world, name, kv_heads, ckpt):
     (got * weights * mask[..., None]).sum().backward()
     valid = mask.bool()
     _close(got.detach()[valid], want.detach()[valid], f"rank {rank} logits")
+    _compare_summed_grads(model, ref, rank)
+
+
+def _compare_summed_grads(model, ref, rank):
+    """Sum every parameter's gradient over the ranks (each holds the gradient of its own tokens) and compare
+    with the single-process one. Every rank runs every all_reduce before any assert, so a mismatch fails
+    the case on every rank instead of leaving a peer waiting in a collective. A missing gradient counts as
+    zero (the vision tower of a text-only batch, MoE experts no token was routed to)."""
+    failures = []
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        if q.grad is None:  # the vision tower of a text-only batch
-            assert p.grad is None, n
-            continue
-        grad = p.grad.clone()
-        dist.all_reduce(grad)  # each rank holds the gradient of its own tokens
-        _close(grad, q.grad, f"rank {rank} grad {n}")
+        grad = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(grad)
+        want = q.grad if q.grad is not None else torch.zeros_like(q)
+        try:
+            _close(grad, want, f"rank {rank} grad {n}")
+        except AssertionError as exc:
+            failures.append(str(exc)[:400])
+    assert not failures, "\n".join(failures[:3])
 
 
 def _bad_heads_worker(rank, world):
@@ -87,8 +98,57 @@ def _linear_refused_worker(rank, world, name):
         tfcompat.patch(tiny_model(name), ulysses_group=dist.group.WORLD)
 
 
+def _patched_ddp_worker(rank, world, name, mode):
+    """The patched model's own forward, rank 1 text-only: every vision weight gets a gradient on both ranks, the
+    text-only rank's loss equals the unpatched model's, and the parameters stay identical over two steps."""
+    from _models import forward_kwargs
+
+    image = rank == 0
+    ids = torch.tensor([tiny_sequence(name, text=5, image=image)])
+    pixels = tiny_pixels(1 if image else 0, seed=rank)
+    kw = forward_kwargs(tiny_model(name), ids, **pixels)
+    plain = tiny_model(name)
+    plain.train()
+    want = plain(input_ids=ids, labels=ids, **kw).loss
+    model = tiny_model(name)
+    tfcompat.patch(model)
+    model.train()
+    if mode == "ddp":
+        # MoE experts a batch does not route to get no gradient (upstream, every release): DDP must be told;
+        # the vision tower must not need it
+        moe = any("experts" in n for n, _ in model.named_parameters())
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=moe)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model)
+        wrapped = model
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(2):
+        opt.zero_grad()
+        loss = wrapped(input_ids=ids, labels=ids, **kw).loss
+        if step == 0:
+            assert torch.equal(loss.detach(), want.detach()), (loss.item(), want.item())
+        loss.backward()
+        missing = [n for n, p in model.named_parameters() if p.grad is None and "experts" not in n]
+        assert not missing, f"no gradient on rank {rank}: {missing[:4]}"
+        opt.step()
+    for n, p in model.named_parameters():
+        t = p.detach()
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        lo, hi = t.clone(), t.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        assert torch.equal(lo, hi), f"{n} differs across ranks"
+
+
 def _cases(rank, world):
     cases = []
+    for name in [n for n in HAVE if SPECS[n].vision]:
+        cases.append((f"patched_ddp:{name}", functools.partial(_patched_ddp_worker, rank, world, name, "ddp")))
+    for name in ("qwen2_vl", "qwen3_vl"):
+        if name in HAVE:
+            cases.append((f"patched_fsdp:{name}", functools.partial(_patched_ddp_worker, rank, world, name, "fsdp")))
     for i, name in enumerate(ULYSSES):
         kv = 1 if i % 2 else 2
         ckpt = ("reentrant", "non_reentrant", None)[i % 3]
@@ -122,6 +182,18 @@ def _assert_ok(outcomes, case):
 def test_ulysses_with_checkpointing_equals_padded(outcomes, name):
     """World 2; odd families use 1 kv head (a group larger than the kv head count); checkpointing varies."""
     _assert_ok(outcomes, f"ulysses:{name}")
+
+
+@pytest.mark.parametrize("name", [n for n in HAVE if SPECS[n].vision])
+def test_patched_model_with_a_text_only_rank_under_ddp(outcomes, name):
+    _assert_ok(outcomes, f"patched_ddp:{name}")
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_vl"])
+def test_patched_model_with_a_text_only_rank_under_fsdp2(outcomes, name):
+    if name not in HAVE:
+        pytest.skip("not in this release")
+    _assert_ok(outcomes, f"patched_fsdp:{name}")
 
 
 def test_ulysses_refuses_heads_that_do_not_divide(outcomes):
@@ -237,12 +309,7 @@ def _ulysses_vision_worker(rank, world, name):
     got = gather_from_ranks(hidden, dim=1, length=total)
     (got * weights).sum().backward()
     _close(got.detach(), want.detach(), f"rank {rank} hidden")
-    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        if q.grad is None:
-            continue
-        grad = p.grad.clone()
-        dist.all_reduce(grad)
-        _close(grad, q.grad, f"rank {rank} grad {n}")
+    _compare_summed_grads(model, ref, rank)
 
 
 @pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_vl"])

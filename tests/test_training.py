@@ -234,3 +234,57 @@ def test_one_unpacked_sample_with_an_image_is_not_cut(name):
         got_nomask = model(input_ids=ids, **forward_kwargs(model, ids, **pixels)).logits
     assert torch.equal(got, want)
     _close(got_nomask, want, f"{name} one sample, no mask")
+
+
+@pytest.mark.parametrize("name", VISION)
+def test_text_only_batch_reaches_every_vision_weight(name):
+    """Patched model, training mode, text-only batch with labels: every vision weight gets a zero gradient
+    (DDP and FSDP need them on every rank), and the loss and logits are bit-identical to the unpatched model."""
+    ids, mask, _ = _batch(name, False)
+    labels = torch.where(mask.bool(), ids, -100)
+    plain = tiny_model(name)
+    plain.train()
+    want = plain(input_ids=ids, attention_mask=mask, labels=labels)
+    model = tiny_model(name)
+    tfcompat.patch(model)
+    model.train()
+    with torch.autograd.set_detect_anomaly(True):  # no in-place op on a tensor autograd needs
+        got = model(input_ids=ids, attention_mask=mask, labels=labels)
+        got.loss.backward()
+    assert torch.equal(got.logits, want.logits) and torch.equal(got.loss, want.loss)
+    visual = [(n, p) for n, p in model.named_parameters() if "visual" in n]
+    assert visual
+    for n, p in visual:
+        assert p.grad is not None and torch.count_nonzero(p.grad) == 0, n
+    # the packed path too, and dummy_visual=False turns it off
+    _, out = _packed_call(model, ids, mask, {})
+    tfcompat.patch(model, dummy_visual=False)
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    assert all(p.grad is None for n, p in model.named_parameters() if "visual" in n)
+
+
+@pytest.mark.parametrize("name", VISION)
+def test_dummy_visual_does_not_overflow_in_half_precision(name):
+    """Large finite vision features in fp16: weighting before summing keeps inf * 0 = NaN out of the loss."""
+    from tfcompat.embeds import dummy_visual_zero
+
+    from tfcompat.embeds import _vl_model
+
+    model = tiny_model(name).to(torch.float16)
+
+    def big(t):  # finite fp16 values whose plain sum overflows; still a function of every vision weight
+        return t + (60000.0 - t.detach())
+
+    def hook(module, inputs, out):
+        if isinstance(out, torch.Tensor):
+            return big(out)
+        if getattr(out, "pooler_output", None) is not None:
+            out.pooler_output = big(out.pooler_output)
+            return out
+        return (big(out[0]),) + tuple(out[1:])
+
+    _vl_model(model).visual.register_forward_hook(hook)
+    assert not torch.isfinite(torch.full((4, 128), 60000.0, dtype=torch.float16).sum()), "fp16 sum must overflow"
+    zero = dummy_visual_zero(model)
+    assert zero.dtype == torch.float32 and torch.isfinite(zero) and zero.item() == 0.0

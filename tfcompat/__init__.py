@@ -24,11 +24,12 @@ def clear_cache():
     _resolve.clear_cache()
 
 
-def patch(model, *, remove_padding=True, ulysses_group=None):
-    """Patch a model instance for packed sequences / Ulysses (see :func:`tfcompat._patch.patch`)."""
+def patch(model, *, remove_padding=True, ulysses_group=None, dummy_visual=True):
+    """Patch a model instance for packed sequences, Ulysses and the dummy visual forward
+    (see :func:`tfcompat._patch.patch`)."""
     from . import _patch
 
-    return _patch.patch(model, remove_padding=remove_padding, ulysses_group=ulysses_group)
+    return _patch.patch(model, remove_padding=remove_padding, ulysses_group=ulysses_group, dummy_visual=dummy_visual)
 
 
 def unpatch(model):

@@ -275,11 +275,46 @@ def _top_forward(self, *args, **kwargs):
     """The model patch() was given: takes the flash-attn keyword arguments on every release (some top-level
     forwards reject them) and hands them to the text model of this call."""
     state = getattr(self, _ATTR)
+    return _with_explicit(lambda *a, **k: _original(self, state, *a, **k), args, kwargs)
+
+
+def _vl_top_forward(self, *args, **kwargs):
+    """Both: the model patch() was given also owns the vision tower (4.51 ForConditionalGeneration)."""
+    return _with_explicit(lambda *a, **k: _vl_forward(self, *a, **k), args, kwargs)
+
+
+def _with_explicit(run, args, kwargs):
     explicit = {k: kwargs.pop(k) for k in _FLASH_KWARGS if k in kwargs}
     if not explicit:
-        return _original(self, state, *args, **kwargs)
+        return run(*args, **kwargs)
     with _Scope(("explicit", explicit)):
+        return run(*args, **kwargs)
+
+
+def _vl_forward(self, *args, **kwargs):
+    """The module that owns the vision tower: on a text-only training batch, runs the tower on the smallest valid
+    input and adds one zero-weighted scalar to the token embeddings (out of place), so every vision weight gets a
+    zero gradient on every rank (DDP and FSDP stay in step); the numbers are unchanged."""
+    import torch
+
+    state = getattr(self, _ATTR)
+    if not (self.training and torch.is_grad_enabled()) or any(
+            kwargs.get(k) is not None for k in ("pixel_values", "pixel_values_videos")):
         return _original(self, state, *args, **kwargs)
+    a = _arguments(self, args, kwargs)
+    if a is None or a.get("pixel_values") is not None or a.get("pixel_values_videos") is not None:
+        return _original(self, state, *args, **kwargs)
+    from .embeds import dummy_visual_zero
+
+    zero = dummy_visual_zero(self)
+    if a.get("inputs_embeds") is not None:
+        a["inputs_embeds"] = a["inputs_embeds"] + zero.to(a["inputs_embeds"].dtype)
+        return _original(self, state, **a)
+    hook = self.get_input_embeddings().register_forward_hook(lambda m, i, out: out + zero.to(out.dtype))
+    try:
+        return _original(self, state, *args, **kwargs)
+    finally:
+        hook.remove()
 
 
 def _check_ulysses_lengths(local, batch, group, state):
@@ -552,7 +587,7 @@ def _linear_forward(self, hidden_states, *args, **kwargs):
     return torch.cat(outs, dim=1)
 
 
-_FORWARDS = {"top": _top_forward, "text": _text_model_forward, "rotary": _rotary_forward, "layer": _layer_forward,
+_FORWARDS = {"vl+top": _vl_top_forward, "vl": _vl_forward, "top": _top_forward, "text": _text_model_forward, "rotary": _rotary_forward, "layer": _layer_forward,
              "attention": _attention_forward, "linear": _linear_forward}
 
 
@@ -582,7 +617,7 @@ def _patched_as(module):
     return None
 
 
-def patch(model, *, remove_padding=True, ulysses_group=None):
+def patch(model, *, remove_padding=True, ulysses_group=None, dummy_visual=True):
     """Patch a loaded GLM/Qwen model instance for packed sequences and Ulysses sequence parallelism.
 
     Args:
@@ -591,6 +626,9 @@ def patch(model, *, remove_padding=True, ulysses_group=None):
             nothing is patched (the model stays bit-identical); with a group, each rank's row is
             one sequence.
         ulysses_group: a ``torch.distributed`` process group for sequence parallelism, or None.
+        dummy_visual: vision-language models only: on a text-only batch in training mode, run the
+            vision tower on the smallest valid input and add one zero-weighted scalar to the token
+            embeddings, so every vision weight gets a zero (not None) gradient on every rank.
 
     Returns:
         a :class:`PatchRecord` of what is patched now. Patching again with the same options
@@ -653,6 +691,13 @@ def patch(model, *, remove_padding=True, ulysses_group=None):
         mixer_ids = {id(m) for m, _ in mixers}
         targets += [(m, "layer") for m in model.modules() if any(id(c) in mixer_ids for c in m.children())]
         targets += mixers
+    if dummy_visual and fam.vision:
+        owners = [m for m in model.modules() if "visual" in m._modules and hasattr(m, "get_input_embeddings")]
+        targets += [(m, "vl") for m in owners[:1]]
+        if owners and any(m is owners[0] for m, kind in targets if kind == "top"):
+            targets = [(m, kind) for m, kind in targets if not (m is owners[0] and kind == "top")]
+            targets.append((owners[0], "vl+top"))
+
     def same(m, kind):
         st = _patched_as(m)
         return st is not None and st.kind == kind and st.remove_padding == remove_padding and \

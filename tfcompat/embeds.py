@@ -22,7 +22,7 @@ from ._families import family as _family
 from .errors import EmbedsError, UnsupportedTransformersError
 
 __all__ = ["EmbedsResult", "EmbedsError", "unpack_visual_output", "get_input_embeds", "rope_index",
-           "mm_token_type_ids", "dummy_visual_inputs"]
+           "mm_token_type_ids", "dummy_visual_inputs", "dummy_visual_zero"]
 
 
 @dataclasses.dataclass
@@ -153,6 +153,24 @@ def dummy_visual_inputs(model):
     return pixels, grid
 
 
+def dummy_visual_zero(model):
+    """A zero-valued fp32 scalar that depends on every vision weight: the vision tower on
+    :func:`dummy_visual_inputs`, every output (deepstack included) weighted by 0 before summing.
+
+    Weighting before summing, in fp32: a half-precision sum of large finite features can overflow to inf,
+    and inf * 0 is NaN.
+
+    .. versionadded:: 0.2.0
+    """
+    owner = _vl_model(model)
+    pixels, grid = dummy_visual_inputs(model)
+    feats, deep = unpack_visual_output(owner.visual(pixels, grid_thw=grid))
+    zero = (feats.float() * 0.0).sum()
+    for d in deep or ():
+        zero = zero + (d.float() * 0.0).sum()
+    return zero
+
+
 def get_input_embeds(model, input_ids, *, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
                      video_grid_thw=None):
     """Token embeddings with vision features merged in, as the installed model's forward builds them.
@@ -203,14 +221,9 @@ def get_input_embeds(model, input_ids, *, pixel_values=None, image_grid_thw=None
             deep_parts[kind] = (mask, deep)
 
     if pixel_values is None and pixel_values_videos is None:
-        pixels, grid = dummy_visual_inputs(model)
-        feats, deep = unpack_visual_output(owner.visual(pixels, grid_thw=grid))
-        # weight before summing, in fp32: a half-precision sum of large finite features can overflow to
-        # inf, and inf * 0 is NaN. One zero-weighted scalar, added once, out of place: every vision weight
-        # joins the graph and no in-place op touches an autograd tensor.
-        zero = (feats.float() * 0.0).sum()
-        for d in deep or ():
-            zero = zero + (d.float() * 0.0).sum()
+        # one zero-weighted scalar, added once, out of place: every vision weight joins the graph and
+        # no in-place op touches an autograd tensor
+        zero = dummy_visual_zero(model)
         return EmbedsResult(embeds + zero.to(embeds.dtype), used_dummy=True)
 
     result = EmbedsResult(embeds)
