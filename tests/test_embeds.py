@@ -187,3 +187,24 @@ def test_rope_index_refuses_what_does_not_fit(name):
         rope_index(config, ids, image_grid_thw=grid.float())
     with pytest.raises(EmbedsError, match="not divisible"):
         rope_index(config, ids, image_grid_thw=torch.tensor([[1, 3, 4]]))
+
+
+@pytest.mark.parametrize("name", VISION)
+def test_pack_requires_mrope_positions_for_vision_tokens(name):
+    from tfcompat.errors import PackingError
+    from tfcompat.packing import pack
+
+    from _models import padded
+
+    config = tiny_model(name).config
+    ids, mask = padded([tiny_sequence(name, text=4, image=True), tiny_sequence(name, text=3)])
+    with pytest.raises(PackingError, match="need the 3-D mRoPE positions"):
+        pack(ids, mask, config=config)
+    text = (mask.cumsum(-1) - 1).clamp(min=0)
+    with pytest.raises(PackingError, match="text positions"):
+        pack(ids, mask, text.unsqueeze(0).expand(3, -1, -1), config=config)
+    pos, _ = rope_index(config, ids, attention_mask=mask, image_grid_thw=tiny_pixels(images=1)["image_grid_thw"])
+    packed_batch = pack(ids, mask, pos, config=config)
+    assert packed_batch.position_ids.shape == (4, 1, int(mask.sum()))
+    text_only, text_mask = padded([tiny_sequence(name, text=4)])
+    assert pack(text_only, text_mask, config=config).position_ids.shape[0] == 1

@@ -288,3 +288,79 @@ def test_dummy_visual_does_not_overflow_in_half_precision(name):
     assert not torch.isfinite(torch.full((4, 128), 60000.0, dtype=torch.float16).sum()), "fp16 sum must overflow"
     zero = dummy_visual_zero(model)
     assert zero.dtype == torch.float32 and torch.isfinite(zero) and zero.item() == 0.0
+
+
+def _actor_batch(name, image):
+    """An RL actor step as frameworks build it: left-padded prompts, right-padded responses."""
+    prompts = [tiny_sequence(name, text=3, image=image), tiny_sequence(name, text=5),
+               tiny_sequence(name, text=2, image=image, image_first=True)]
+    responses = [[30, 31, 32, 33], [40, 41], [50, 51, 52]]
+    p_len, r_len = max(map(len, prompts)), max(map(len, responses))
+    ids = torch.zeros(len(prompts), p_len + r_len, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, p_len - len(p): p_len] = torch.tensor(p)
+        ids[i, p_len: p_len + len(r)] = torch.tensor(r)
+        mask[i, p_len - len(p): p_len + len(r)] = 1
+    response_mask = torch.zeros_like(mask)
+    response_mask[:, p_len:] = mask[:, p_len:]
+    pixels = tiny_pixels(2 if image else 0)
+    return ids, mask, response_mask, pixels
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("layout", ["4bs", "b4s", "cu_kwargs"])
+def test_rl_actor_step_with_framework_shaped_inputs(name, layout):
+    """Position ids built per sample ((4, batch, seq) or (batch, 4, seq), text row first), unpadded into one
+    (4, 1, total) row, with or without cu_seq_lens_q/k + max_length_q/k: log-probs of every response token
+    and every gradient equal the unpatched model on the padded batch."""
+    from tfcompat.embeds import rope_index
+
+    image = name in VISION
+    ids, mask, response_mask, pixels = _actor_batch(name, image)
+    vision = SPECS[name].vision
+    plain = tiny_model(name)
+    plain.train()
+
+    def logprobs(logits, targets):
+        return torch.log_softmax(logits.float(), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+    want = logprobs(plain(input_ids=ids, attention_mask=mask, **forward_kwargs(plain, ids, **pixels)).logits[:, :-1],
+                    ids[:, 1:])
+    (want * response_mask[:, 1:]).sum().backward()
+    want_grads = _grads(plain)
+
+    text = (mask.cumsum(-1) - 1).clamp(min=0)
+    if vision:
+        mrope, _ = rope_index(plain.config, ids, attention_mask=mask, image_grid_thw=pixels.get("image_grid_thw"))
+        pos = torch.cat((text.unsqueeze(0), mrope), dim=0)  # (4, batch, seq)
+        if layout == "b4s":
+            pos = pos.transpose(0, 1)  # what some frameworks store per sample
+    else:
+        pos = text
+    keep = mask.bool().flatten()
+    flat_ids = ids.flatten()[keep].unsqueeze(0)
+    if vision:
+        rows = pos.transpose(0, 1) if layout == "b4s" else pos
+        flat_pos = rows.flatten(1)[:, keep].unsqueeze(1)  # (4, 1, total)
+    else:
+        flat_pos = pos.flatten()[keep].unsqueeze(0)
+    lengths = mask.sum(-1)
+    cu = torch.cat((torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)))
+    kw = {}
+    if layout == "cu_kwargs":
+        kw = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=int(lengths.max()), max_length_k=int(lengths.max()))
+    model = tiny_model(name)
+    tfcompat.patch(model)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    logits = model(input_ids=flat_ids, position_ids=flat_pos, **kw, **forward_kwargs(model, flat_ids, **pixels)).logits
+    got = torch.zeros(ids.shape[0] * ids.shape[1], logits.shape[-1]).index_copy(
+        0, torch.nonzero(keep).flatten(), logits[0].float()).view(*ids.shape, -1)
+    got = logprobs(got[:, :-1], ids[:, 1:])
+    (got * response_mask[:, 1:]).sum().backward()
+    sel = response_mask[:, 1:].bool()
+    _close(got[sel].detach(), want[sel].detach(), f"{name}/{layout} response log-probs")
+    grads = _grads(model)
+    for key, value in want_grads.items():
+        _close(grads[key], value, f"{name}/{layout} grad {key}")

@@ -37,7 +37,7 @@ class PackedBatch:
     seq_len: int
 
 
-def pack(input_ids, attention_mask, position_ids=None, *, vision=None):
+def pack(input_ids, attention_mask, position_ids=None, *, vision=None, config=None):
     """Pack the tokens where ``attention_mask`` is 1.
 
     Args:
@@ -47,8 +47,14 @@ def pack(input_ids, attention_mask, position_ids=None, *, vision=None):
             batches (then every row counts 0, 1, 2, ... per sequence).
         vision: force the 4-row layout (True) or the 1-row text layout (False); default: 4 rows when
             ``position_ids`` is 3-row.
+        config: the model's config; for a vision-language family, a batch that holds image or video
+            tokens then requires the 3-D mRoPE positions (text positions would be wrong for them).
+
+    .. versionchanged:: 0.2.0 validates its inputs; ``config=``.
     """
     mask = _check_pack(input_ids, attention_mask, position_ids, vision)
+    if config is not None:
+        _check_vision_positions(config, input_ids, mask, position_ids)
     batch, seq = mask.shape
     indices = torch.nonzero(mask.flatten()).flatten()
     lengths = mask.sum(dim=1)
@@ -70,6 +76,25 @@ def pack(input_ids, attention_mask, position_ids=None, *, vision=None):
         rows = text.view(1, 1, -1).expand(3, 1, -1)
     pos = torch.cat((text.view(1, 1, -1), rows.to(text.dtype)), dim=0) if four else text.unsqueeze(0)
     return PackedBatch(ids, pos, cu, int(lengths.max()), indices, batch, seq)
+
+
+def _check_vision_positions(config, input_ids, mask, position_ids):
+    from ._families import family
+    from .embeds import mm_token_type_ids
+
+    if not family(config).vision:
+        return
+    vision_tokens = (mm_token_type_ids(config, input_ids) != 0) & mask
+    if not bool(vision_tokens.any()):
+        return
+    if position_ids is None or position_ids.dim() != 3:
+        raise PackingError(f"pack: the batch holds {int(vision_tokens.sum())} image/video tokens, which need the 3-D "
+                           f"mRoPE positions; pass position_ids from tfcompat.embeds.rope_index(config, input_ids, "
+                           f"image_grid_thw=..., attention_mask=...)")
+    t, h, w = (position_ids[i][vision_tokens] for i in range(3))
+    if bool(((t == h) & (h == w)).all()):
+        raise PackingError("pack: the 3-row position_ids give every image/video token equal T, H and W positions "
+                           "(text positions); pass the ids tfcompat.embeds.rope_index computed for these grids")
 
 
 def _check_pack(input_ids, attention_mask, position_ids, vision):
