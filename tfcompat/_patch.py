@@ -65,8 +65,9 @@ class _State:
     """Per patched module. Picklable and deep-copyable: a copy shares the (unpicklable) process group;
     a pickled copy forgets it and asks to be patched again before a Ulysses step."""
 
-    def __init__(self, kind, family, remove_padding, group, world, saved_forward=None):
+    def __init__(self, kind, family, remove_padding, group, world, saved_forward=None, dummy_visual=True):
         self.kind, self.family, self.remove_padding = kind, family, remove_padding
+        self.dummy_visual = dummy_visual
         self.group, self.world, self.saved_forward = group, world, saved_forward
         self.group_lost = False
 
@@ -244,6 +245,10 @@ def _text_model_forward(self, *args, **kwargs):
     step = _find_step(state, group, explicit, position_ids, a.get("attention_mask"), batch, local, ref.device)
     if step is None:
         if changed:
+            if a.get("attention_mask") is None and "attention_mask" in _signature(type(self)).parameters:
+                # the same numbers as no mask; some releases (GLM-4V 4.53-4.57) crash building the causal
+                # mask from explicit 3-row ids without one
+                changed["attention_mask"] = torch.ones((batch, local), dtype=torch.long, device=ref.device)
             a.update(changed)
             return _original(self, state, **a)
         return _original(self, state, *args, **kwargs)
@@ -292,17 +297,28 @@ def _with_explicit(run, args, kwargs):
 
 
 def _vl_forward(self, *args, **kwargs):
-    """The module that owns the vision tower: on a text-only training batch, runs the tower on the smallest valid
-    input and adds one zero-weighted scalar to the token embeddings (out of place), so every vision weight gets a
-    zero gradient on every rank (DDP and FSDP stay in step); the numbers are unchanged."""
+    """The module that owns the vision tower.
+
+    * Supplies ``mm_token_type_ids`` (from input_ids) where this release's forward takes it and the caller
+      gave none: 5.3+ forwards need it to position image and video tokens.
+    * On a text-only training batch, runs the tower on the smallest valid input and adds one zero-weighted
+      scalar to the token embeddings (out of place), so every vision weight gets a zero gradient on every
+      rank (DDP and FSDP stay in step); the numbers are unchanged.
+    """
     import torch
 
     state = getattr(self, _ATTR)
-    if not (self.training and torch.is_grad_enabled()) or any(
-            kwargs.get(k) is not None for k in ("pixel_values", "pixel_values_videos")):
-        return _original(self, state, *args, **kwargs)
     a = _arguments(self, args, kwargs)
-    if a is None or a.get("pixel_values") is not None or a.get("pixel_values_videos") is not None:
+    if a is None:
+        return _original(self, state, *args, **kwargs)  # upstream says what is wrong with the call
+    pixels = a.get("pixel_values") is not None or a.get("pixel_values_videos") is not None
+    if pixels and a.get("input_ids") is not None and a.get("mm_token_type_ids") is None and \
+            "mm_token_type_ids" in _signature(type(self)).parameters:
+        from .embeds import mm_token_type_ids
+
+        a["mm_token_type_ids"] = mm_token_type_ids(self.config, a["input_ids"])
+        args, kwargs = (), a
+    if pixels or not state.dummy_visual or not (self.training and torch.is_grad_enabled()):
         return _original(self, state, *args, **kwargs)
     from .embeds import dummy_visual_zero
 
@@ -691,7 +707,7 @@ def patch(model, *, remove_padding=True, ulysses_group=None, dummy_visual=True):
         mixer_ids = {id(m) for m, _ in mixers}
         targets += [(m, "layer") for m in model.modules() if any(id(c) in mixer_ids for c in m.children())]
         targets += mixers
-    if dummy_visual and fam.vision:
+    if fam.vision:
         owners = [m for m in model.modules() if "visual" in m._modules and hasattr(m, "get_input_embeddings")]
         targets += [(m, "vl") for m in owners[:1]]
         if owners and any(m is owners[0] for m, kind in targets if kind == "top"):
@@ -701,14 +717,16 @@ def patch(model, *, remove_padding=True, ulysses_group=None, dummy_visual=True):
     def same(m, kind):
         st = _patched_as(m)
         return st is not None and st.kind == kind and st.remove_padding == remove_padding and \
-            st.group is ulysses_group and not st.group_lost
+            st.group is ulysses_group and not st.group_lost and st.dummy_visual == dummy_visual
 
     patched_below = [m for m in model.modules() if _patched_as(m) is not None]
     if not (targets and all(same(m, kind) for m, kind in targets) and len(patched_below) == len(targets)):
         for m in patched_below:
             _uninstall(m)
         for m, kind in targets:
-            _install(m, kind, _State(kind, fam.name, remove_padding, ulysses_group, world))
+            _install(m, kind, _State(kind, fam.name, remove_padding, ulysses_group, world, dummy_visual=dummy_visual))
+    if not any(kind in ("text", "attention", "linear") for _, kind in targets) and not dummy_visual:
+        targets = []  # remove_padding=False, no group, no dummy forward: nothing to do
     n_attn = sum(kind == "attention" for _, kind in targets)
     n_lin = sum(kind == "linear" for _, kind in targets)
     record = PatchRecord(fam.name, text_cls.__name__, n_attn, n_lin, remove_padding, world, resolutions)

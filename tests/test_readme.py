@@ -1,0 +1,35 @@
+"""The README's examples run as written, and so do examples/ (as a newcomer runs them)."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from _helpers import installed
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BLOCKS = [b for b in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+          if b.startswith("import torch, tfcompat")]
+
+
+def test_the_readme_has_runnable_examples():
+    assert len(BLOCKS) >= 2
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_readme_example_runs_as_written(index):
+    if "qwen2_vl" in BLOCKS[index] and "qwen2_vl" not in installed():
+        pytest.skip("not in this release")
+    exec(compile(BLOCKS[index], f"README.md block {index}", "exec"), {})
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_the_vl_training_step_example(family):
+    if family not in installed():
+        pytest.skip("not in this release")
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "vl_training_step.py"), family],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "every vision weight has a gradient" in out.stdout
