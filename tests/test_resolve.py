@@ -83,3 +83,38 @@ def test_every_config_model_type_of_the_release_maps_to_its_family():
             cls = getattr(module, cls_name, None)
             if cls is not None:
                 assert family(cls.model_type).name == name, (cls_name, cls.model_type)
+
+
+@pytest.mark.parametrize("name", installed())
+def test_probes_without_source_use_declared_facts_or_fail(monkeypatch, name):
+    """A stripped install (no .py sources): every probe either falls back to the family's declared fact with a
+    warning, or raises; the fallback equals what the probe finds when it can read the source."""
+    import inspect
+    import warnings
+
+    from tfcompat.errors import UnsupportedTransformersError
+
+    tfcompat.clear_cache()
+    want = _resolve.resolve("rope.init", name).plan
+    tfcompat.clear_cache()
+
+    def no_source(obj):
+        raise OSError("could not get source code")
+
+    monkeypatch.setattr(inspect, "getsource", no_source)
+    try:
+        if SPECS[name].default_mrope_section == "probe-only":  # changed between releases: no fact to fall back to
+            with pytest.raises(UnsupportedTransformersError, match="cannot read the source"):
+                _resolve.resolve("rope.init", name)
+            return
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = _resolve.resolve("rope.init", name).plan
+        assert got.reads_partial_rotary == want.reads_partial_rotary, "declared fact disagrees with the probe"
+        assert got.default_mrope_section == want.default_mrope_section, "declared fact disagrees with the probe"
+        assert any("cannot read the source" in str(w.message) for w in caught)
+        with pytest.raises(UnsupportedTransformersError, match="cannot read the source"):
+            _resolve.resolve("rope.apply", name)
+    finally:
+        monkeypatch.undo()
+        tfcompat.clear_cache()

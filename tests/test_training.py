@@ -386,3 +386,36 @@ def test_mm_token_type_ids_supplied_where_the_forward_takes_them(name):
         tfcompat.patch(model)
         got = model(input_ids=ids, attention_mask=mask, **pixels).logits
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_no_per_layer_host_syncs(name):
+    """Boundaries as cu_seq_lens_q + max_length_q: the host syncs of a packed forward (aten._local_scalar_dense,
+    what .item()/.tolist()/int(tensor) dispatch) are counted once per step, not once per layer."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.syncs = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                self.syncs += 1
+            return func(*args, **(kwargs or {}))
+
+    ids, mask, _ = _batch(name, False)
+    pk = pack(ids, mask, vision=SPECS[name].vision)
+    counts = []
+    for layers in (2, 4):
+        kw = {"num_hidden_layers": layers}
+        if name in ("qwen3_5", "qwen3_5_moe"):
+            kw["layer_types"] = ["linear_attention", "full_attention"] * (layers // 2)
+        model = tiny_model(name, **kw)
+        tfcompat.patch(model)
+        with torch.no_grad(), Count() as count:
+            model(input_ids=pk.input_ids, position_ids=pk.position_ids, cu_seq_lens_q=pk.cu_seqlens,
+                  max_length_q=pk.max_seqlen)
+        counts.append(count.syncs)
+    assert counts[0] > 0, "the count must see the per-step syncs (validating the boundaries)"
+    assert counts[0] == counts[1], f"host syncs grow with the layers: {counts} for 2 and 4 layers"

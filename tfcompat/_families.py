@@ -10,6 +10,9 @@ import dataclasses
 from .errors import UnsupportedTransformersError
 
 
+PROBE_ONLY = "probe-only"
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str
@@ -23,7 +26,8 @@ class Family:
     rotation: str
     #: "none", "contiguous" (Qwen2-VL, GLM-4V T/H/W blocks), "interleaved" (Qwen3-VL, Qwen3.5)
     mrope: str = "none"
-    #: mrope_section the modeling code falls back to when the config has none (None: no default)
+    #: mrope_section the modeling code falls back to when the config has none (None: no default;
+    #: PROBE_ONLY: it changed between releases, so only the probe can tell and a failed probe is an error)
     default_mrope_section: tuple = None
     #: partial_rotary_factor the 5.x rotary module honours (4.x: every model reads the attribute)
     reads_partial_rotary: bool = False
@@ -64,18 +68,18 @@ FAMILIES = {
         Family("glm4", "glm4", "Glm4", "Glm4Attention", "Glm4RotaryEmbedding", "gptj",
                reads_partial_rotary=True, config_class="Glm4Config"),
         Family("qwen2_vl", "qwen2_vl", "Qwen2VL", "Qwen2VLAttention", "Qwen2VLRotaryEmbedding", "neox",
-               mrope="contiguous", default_mrope_section=None, aliases=("qwen2_vl_text",), vision=True,
+               mrope="contiguous", default_mrope_section=PROBE_ONLY, aliases=("qwen2_vl_text",), vision=True,
                config_class="Qwen2VLConfig", text_config_class="Qwen2VLTextConfig"),
         Family("qwen2_5_vl", "qwen2_5_vl", "Qwen2_5_VL", "Qwen2_5_VLAttention", "Qwen2_5_VLRotaryEmbedding",
-               "neox", mrope="contiguous", default_mrope_section=None,
+               "neox", mrope="contiguous", default_mrope_section=PROBE_ONLY,
                aliases=("qwen2_5_vl_text", "qwen2.5_vl", "qwen2_5vl"), vision=True,
                config_class="Qwen2_5_VLConfig", text_config_class="Qwen2_5_VLTextConfig"),
         Family("glm4v", "glm4v", "Glm4v", "Glm4vTextAttention", "Glm4vTextRotaryEmbedding", "gptj",
-               mrope="contiguous", default_mrope_section=(8, 12, 12), reads_partial_rotary=True,
+               mrope="contiguous", default_mrope_section=PROBE_ONLY, reads_partial_rotary=True,
                aliases=("glm4v_text", "glm4_1v"), since="4.53.3", vision=True,
                config_class="Glm4vConfig", text_config_class="Glm4vTextConfig", video_frames_as_image_tokens=True),
         Family("glm4v_moe", "glm4v_moe", "Glm4vMoe", "Glm4vMoeTextAttention", "Glm4vMoeTextRotaryEmbedding",
-               "neox", mrope="contiguous", default_mrope_section=(8, 12, 12), reads_partial_rotary=True,
+               "neox", mrope="contiguous", default_mrope_section=PROBE_ONLY, reads_partial_rotary=True,
                aliases=("glm4v_moe_text", "glm4vmoe_text", "glm4vmoe", "glm4_5v"), since="4.56.0", vision=True,
                config_class="Glm4vMoeConfig", text_config_class="Glm4vMoeTextConfig",
                video_frames_as_image_tokens=True),

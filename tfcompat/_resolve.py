@@ -19,7 +19,7 @@ import sys
 import threading
 
 from . import version as _version
-from ._families import FAMILIES, family as _family
+from ._families import FAMILIES, PROBE_ONLY, family as _family
 from .errors import TfcompatError, UnsupportedTransformersError
 
 __all__ = ["Resolution", "resolve", "report", "clear_cache", "installed_families"]
@@ -212,8 +212,9 @@ def _resolve_rope_init(fam, capability):
         match = _SECTION_DEFAULT.search(body)
         return tuple(int(x) for x in match.group(1).split(",") if x.strip()) if match else None
 
+    declared = fam.default_mrope_section if fam.mrope != "none" else None
     section = _probe(capability, "the default mrope_section", rotary.__init__, default_section,
-                     fam.default_mrope_section if fam.mrope != "none" else None)
+                     _NO_FACT if declared == PROBE_ONLY else declared)
     if section:
         reason += f"; rotary module defaults mrope_section to {list(section)}"
     plan = RopeInitPlan(config_key=key, reads_partial_rotary=reads_partial, default_mrope_section=section)
