@@ -59,6 +59,20 @@ def _ulysses_worker(rank, world, name, kv_heads, ckpt):
     _compare_summed_grads(model, ref, rank)
 
 
+def _assert_same_on_every_rank(model):
+    """Every parameter equal on every rank (all reductions run on every rank before any assert)."""
+    differ = []
+    for n, p in model.named_parameters():
+        t = p.detach()
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        lo, hi = t.clone(), t.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        if not torch.equal(lo, hi):
+            differ.append(n)
+    assert not differ, f"differ across ranks: {differ[:4]}"
+
+
 def _compare_summed_grads(model, ref, rank):
     """Sum every parameter's gradient over the ranks (each holds the gradient of its own tokens) and compare
     with the single-process one. Every rank runs every all_reduce before any assert, so a mismatch fails
@@ -139,13 +153,7 @@ def _patched_ddp_worker(rank, world, name, mode):
         missing = [n for n, p in model.named_parameters() if p.grad is None and "experts" not in n]
         assert not missing, f"no gradient on rank {rank}: {missing[:4]}"
         opt.step()
-    for n, p in model.named_parameters():
-        t = p.detach()
-        t = t.full_tensor() if hasattr(t, "full_tensor") else t
-        lo, hi = t.clone(), t.clone()
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-        assert torch.equal(lo, hi), f"{n} differs across ranks"
+    _assert_same_on_every_rank(model)
 
 
 def _cases(rank, world):
@@ -255,13 +263,7 @@ def _ddp_worker(rank, world, name, mode):
         opt.zero_grad()
         wrapped(ids, pixels).float().pow(2).mean().backward()
         opt.step()
-    for n, p in model.named_parameters():
-        t = p.detach()
-        t = t.full_tensor() if hasattr(t, "full_tensor") else t
-        lo, hi = t.clone(), t.clone()
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-        assert torch.equal(lo, hi), f"{n} differs across ranks"
+    _assert_same_on_every_rank(model)
     moved = [n for n, v in before.items() if not torch.equal(v, dict(model.named_parameters())[n].detach())]
     if mode == "ddp":
         assert moved, "vision weights never moved: rank 0's image gradients did not reach the update"

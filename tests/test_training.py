@@ -36,6 +36,14 @@ def _close(got, want, what):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=3e-5 * scale, msg=lambda m: f"{what}: {m}")
 
 
+def _close_all(got, want, what):
+    """Every entry of want (gradients or parameters by name) in got, and close."""
+    missing = set(want) - set(got)
+    assert not missing, f"{what}: missing {sorted(missing)[:4]}"
+    for key, value in want.items():
+        _close(got[key], value, f"{what} {key}")
+
+
 def _clean(name):
     return name.replace("_checkpoint_wrapped_module.", "")
 
@@ -94,8 +102,7 @@ def test_checkpointed_packed_training_equals_padded(name, how):
     _close(logits[valid].detach(), want[valid], f"{name}/{how} logits")
     grads = _grads(model)
     assert grads.keys() == want_grads.keys(), set(grads) ^ set(want_grads)
-    for key, value in want_grads.items():
-        _close(grads[key], value, f"{name}/{how} grad {key}")
+    _close_all(grads, want_grads, f"{name}/{how} grad")
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -146,8 +153,7 @@ def test_three_adamw_steps(name):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     losses, got = run(model, True)
     assert losses == pytest.approx(want_losses, rel=1e-4, abs=1e-5)
-    for key, value in want.items():
-        _close(got[key], value, f"{name} parameter {key} after 3 steps")
+    _close_all(got, want, f"{name} parameter after 3 steps:")
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -366,9 +372,7 @@ def test_rl_actor_step_with_framework_shaped_inputs(name, layout):
     (got * response_mask[:, 1:]).sum().backward()
     sel = response_mask[:, 1:].bool()
     _close(got[sel].detach(), want[sel].detach(), f"{name}/{layout} response log-probs")
-    grads = _grads(model)
-    for key, value in want_grads.items():
-        _close(grads[key], value, f"{name}/{layout} grad {key}")
+    _close_all(_grads(model), want_grads, f"{name}/{layout} grad")
 
 
 @pytest.mark.parametrize("name", VISION)
