@@ -244,11 +244,13 @@ def _text_model_forward(self, *args, **kwargs):
         _check_ulysses_lengths(local, batch, group, state)
     step = _find_step(state, group, explicit, position_ids, a.get("attention_mask"), batch, local, ref.device)
     if step is None:
+        if position_ids is not None and position_ids.dim() == 3 and a.get("attention_mask") is None and \
+                "attention_mask" in _signature(type(self)).parameters:
+            # the numbers of a mask of ones (one unpadded sample per row); transformers 4.53-4.57 crash building
+            # the causal mask from 3-row ids without a mask (Qwen2-VL, GLM-4V), and 5.x would read the temporal
+            # row as packed-sequence starts
+            changed["attention_mask"] = torch.ones((batch, local), dtype=torch.long, device=ref.device)
         if changed:
-            if a.get("attention_mask") is None and "attention_mask" in _signature(type(self)).parameters:
-                # the same numbers as no mask; some releases (GLM-4V 4.53-4.57) crash building the causal
-                # mask from explicit 3-row ids without one
-                changed["attention_mask"] = torch.ones((batch, local), dtype=torch.long, device=ref.device)
             a.update(changed)
             return _original(self, state, **a)
         return _original(self, state, *args, **kwargs)
