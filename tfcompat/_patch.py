@@ -68,6 +68,7 @@ class _State:
     def __init__(self, kind, family, remove_padding, group, world, saved_forward=None, dummy_visual=True):
         self.kind, self.family, self.remove_padding = kind, family, remove_padding
         self.dummy_visual = dummy_visual
+        self.section = None  # attention modules: mRoPE sections, read from the config once at patch time
         self.group, self.world, self.saved_forward = group, world, saved_forward
         self.group_lost = False
 
@@ -538,7 +539,7 @@ def _attention_forward(self, *args, **kwargs):
         q, k = self.q_norm(q), self.k_norm(k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     cos, sin = pe
-    q, k = apply_rope_(q, k, cos, sin, model_type=state.family, mrope_section=_section(self, state))
+    q, k = apply_rope_(q, k, cos, sin, model_type=state.family, mrope_section=state.section)
     q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0]
     if group is not None:
         from .ulysses import gather_heads_scatter_seq, gather_seq_scatter_heads, repeat_kv_for_group
@@ -560,14 +561,6 @@ def _attention_forward(self, *args, **kwargs):
         out = out * torch.sigmoid(gate)
     out = self.o_proj(out)
     return (out, None, None) if plan.returns == 3 else (out, None)
-
-
-def _section(module, state):
-    if _resolve.resolve("rope.apply", state.family).plan.cos_rows != 3:
-        return None
-    from .config import rope_parameters
-
-    return rope_parameters(module.config, model_type=state.family).mrope_section
 
 
 def _heads(module):
@@ -659,7 +652,7 @@ def patch(model, *, remove_padding=True, ulysses_group=None, dummy_visual=True):
     """
     config = getattr(model, "config", None)
     fam = _family(config if config is not None else model)
-    from .config import text_config
+    from .config import rope_parameters, text_config
 
     resolutions = tuple(_resolve.resolve(kind, fam.name) for kind in ("rope.init", "rope.apply", "attention.signature"))
     plan = resolutions[2].plan
@@ -726,7 +719,10 @@ def patch(model, *, remove_padding=True, ulysses_group=None, dummy_visual=True):
         for m in patched_below:
             _uninstall(m)
         for m, kind in targets:
-            _install(m, kind, _State(kind, fam.name, remove_padding, ulysses_group, world, dummy_visual=dummy_visual))
+            state = _State(kind, fam.name, remove_padding, ulysses_group, world, dummy_visual=dummy_visual)
+            if kind == "attention" and resolutions[1].plan.cos_rows == 3:
+                state.section = rope_parameters(m.config, model_type=fam.name).mrope_section
+            _install(m, kind, state)
     if not any(kind in ("text", "attention", "linear") for _, kind in targets) and not dummy_visual:
         targets = []  # remove_padding=False, no group, no dummy forward: nothing to do
     n_attn = sum(kind == "attention" for _, kind in targets)
