@@ -21,8 +21,19 @@ def installed():
     return _resolve.installed_families()
 
 
+def patchable():
+    """Installed families tfcompat.patch serves (the rest refuse it with a reason: tested in test_patch)."""
+    return [n for n in installed() if not FAMILIES[n].patch_refusal]
+
+
+def linear_attention(name):
+    """Whether the family's text decoder has Gated DeltaNet (linear attention) layers on this release."""
+    return bool(_resolve.resolve("attention.signature", name).plan.linear_attention)
+
+
 def modeling(name):
-    return importlib.import_module(FAMILIES[name].modeling)
+    """The module defining the family's text attention and rotary (a composite's text family's)."""
+    return importlib.import_module(FAMILIES[name].text_modeling)
 
 
 def rotary(name, config=None):
@@ -49,5 +60,9 @@ def upstream_rope(name, config):
         section = rope["mrope_section"]
         fn = module.apply_multimodal_rotary_pos_emb
         return lambda q, k, c, s, unsqueeze_dim=1: fn(q, k, c, s, section, unsqueeze_dim=unsqueeze_dim)
+    if "apply_rotary_pos_emb_interleave(" in body and getattr(text_config(config), "rope_interleave", True):
+        # MLA (GLM-4.7-Flash, GLM-5): the attention calls this one where the config says rope_interleave
+        fn = module.apply_rotary_pos_emb_interleave
+        return lambda q, k, c, s, unsqueeze_dim=1: fn(q, k, c, s, unsqueeze_dim=unsqueeze_dim)
     fn = module.apply_rotary_pos_emb
     return lambda q, k, c, s, unsqueeze_dim=1: fn(q, k, c, s, unsqueeze_dim=unsqueeze_dim)

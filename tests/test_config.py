@@ -18,7 +18,7 @@ FAMILIES = installed()
 def test_matches_upstream_rotary_module(name):
     rot, config = rotary(name)
     rp = rope_parameters(config)
-    assert rp.model_type == name
+    assert rp.model_type == (SPECS[name].text_family or name)  # the decoder described
     assert rp.rope_type == "default"
     assert rp.rotary_dim == 2 * rot.inv_freq.numel()
     want = 1.0 / (rp.rope_theta ** (torch.arange(0, rp.rotary_dim, 2, dtype=torch.float) / rp.rotary_dim))

@@ -18,11 +18,11 @@ from tfcompat.packing import pack, unpack
 from tfcompat.ulysses import gather_from_ranks, slice_for_rank
 
 from _dist import merged, run_cases, spawn
-from _helpers import installed
+from _helpers import installed, linear_attention, patchable  # noqa: F401
 from _models import padded, text_model, tiny_model, tiny_pixels, tiny_sequence
 
-HAVE = installed()
-ULYSSES = [n for n in HAVE if n not in ("qwen3_5", "qwen3_5_moe")]  # linear attention: refused (tested below)
+HAVE = patchable()
+ULYSSES = [n for n in HAVE if not linear_attention(n)]  # linear attention: refused (tested below)
 
 
 def _close(got, want, what):
@@ -176,7 +176,7 @@ def _cases(rank, world):
     cases.append(("fsdp:qwen2_vl", functools.partial(_ddp_worker, rank, world, "qwen2_vl", "fsdp")))
     cases.append(("bad_heads", functools.partial(_bad_heads_worker, rank, world)))
     cases.append(("unequal_lengths", functools.partial(_unequal_lengths_worker, rank, world)))
-    for name in ("qwen3_5", "qwen3_5_moe"):
+    for name in [n for n in HAVE if linear_attention(n)]:
         if name in HAVE:
             cases.append((f"linear_refused:{name}", functools.partial(_linear_refused_worker, rank, world, name)))
     return run_cases(rank, cases)
@@ -218,10 +218,8 @@ def test_ulysses_unequal_local_lengths_raise_on_every_rank(outcomes):
     _assert_ok(outcomes, "unequal_lengths")
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("name", [n for n in HAVE if linear_attention(n)])
 def test_ulysses_refuses_linear_attention(outcomes, name):
-    if name not in HAVE:
-        pytest.skip("not in this release")
     _assert_ok(outcomes, f"linear_refused:{name}")
 
 class _Step(torch.nn.Module):

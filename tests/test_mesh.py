@@ -16,10 +16,10 @@ from tfcompat.packing import pack, unpack
 from tfcompat.ulysses import gather_from_ranks, slice_for_rank
 
 from _dist import merged, run_cases, spawn
-from _helpers import installed
+from _helpers import installed, linear_attention, patchable  # noqa: F401
 from _models import padded, tiny_model, tiny_sequence
 
-HAVE = installed()
+HAVE = patchable()
 MESH_FAMILIES = [n for n in ("qwen2", "qwen2_vl", "glm4v", "qwen3_vl") if n in HAVE]
 STEPS = 2
 

@@ -9,10 +9,10 @@ from tfcompat.errors import UnsupportedTransformersError
 from tfcompat.packing import pack, packed, unpack
 from tfcompat.varlen import PackingError
 
-from _helpers import installed
+from _helpers import installed, linear_attention, patchable  # noqa: F401
 from _models import forward_kwargs, padded, run_upstream, three_d_positions, tiny_model, tiny_pixels, tiny_sequence
 
-FAMILIES = [n for n in installed() if n not in ("llama", "glm")]
+FAMILIES = [n for n in patchable() if n not in ("llama", "glm")]
 VISION = [n for n in FAMILIES if SPECS[n].vision]
 
 CASES = {
@@ -203,3 +203,15 @@ def test_bare_text_model(name):
         got = unpack(bare(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False)[0], pk)
         assert tfcompat.unpatch(bare)
     _close(got[mask.bool()], ref[mask.bool()], f"bare {name}")
+
+
+@pytest.mark.parametrize("name", [n for n in installed() if SPECS[n].patch_refusal])
+def test_families_patch_cannot_serve_are_refused_by_name_and_reason(name):
+    """Sparse-attention (indexer) and MLA decoders: patch refuses before touching the model; RoPE still works."""
+    model = tiny_model(name, num_hidden_layers=1)
+    before = {k: v for k, v in vars(model).items() if k == "forward"}
+    with pytest.raises(UnsupportedTransformersError, match=f"cannot serve {name}: .*(indexer|latent)"):
+        tfcompat.patch(model)
+    assert {k: v for k, v in vars(model).items() if k == "forward"} == before
+    assert all("forward" not in vars(m) for m in model.modules())
+    assert tfcompat.config.rope_parameters(model.config).rotary_dim > 0

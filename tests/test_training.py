@@ -15,10 +15,10 @@ import tfcompat
 from tfcompat._families import FAMILIES as SPECS
 from tfcompat.packing import pack, unpack
 
-from _helpers import installed
+from _helpers import installed, linear_attention, patchable  # noqa: F401
 from _models import forward_kwargs, padded, run_upstream, three_d_positions, tiny_model, tiny_pixels, tiny_sequence
 
-FAMILIES = installed()
+FAMILIES = patchable()
 VISION = [n for n in FAMILIES if SPECS[n].vision]
 CKPT = ["hf_reentrant", "hf_non_reentrant", "torch_wrapper_reentrant", "torch_wrapper_non_reentrant"]
 
@@ -424,7 +424,7 @@ def test_no_per_layer_host_syncs(name):
     counts = []
     for layers in (2, 4):
         kw = {"num_hidden_layers": layers}
-        if name in ("qwen3_5", "qwen3_5_moe"):
+        if linear_attention(name):
             kw["layer_types"] = ["linear_attention", "full_attention"] * (layers // 2)
         model = tiny_model(name, **kw)
         tfcompat.patch(model)

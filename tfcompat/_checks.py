@@ -180,14 +180,26 @@ def _embeds_vs_model(name, images):
     return diff
 
 
+def _always(fam):
+    return True
+
+
+def _vision(fam):
+    return fam.vision
+
+
+def _patchable(fam):
+    return not fam.patch_refusal  # the others refuse tfcompat.patch with the reason (a test asserts it)
+
+
 CHECKS = (
-    ("config.rope_parameters", lambda n: _config_vs_rotary(n), False),
-    ("rope.native.fp32", lambda n: _rope_vs_upstream(n, _dtype("float32"), inplace=False), False),
-    ("rope.inplace.fp32", lambda n: _rope_vs_upstream(n, _dtype("float32"), inplace=True), False),
-    ("rope.native.bf16", lambda n: _rope_vs_upstream(n, _dtype("bfloat16"), inplace=False), False),
-    ("attention.packed", lambda n: _packed_vs_padded(n), False),
-    ("embeds.image", lambda n: _embeds_vs_model(n, 1), True),
-    ("embeds.dummy", lambda n: _embeds_vs_model(n, 0), True),
+    ("config.rope_parameters", lambda n: _config_vs_rotary(n), _always),
+    ("rope.native.fp32", lambda n: _rope_vs_upstream(n, _dtype("float32"), inplace=False), _always),
+    ("rope.inplace.fp32", lambda n: _rope_vs_upstream(n, _dtype("float32"), inplace=True), _always),
+    ("rope.native.bf16", lambda n: _rope_vs_upstream(n, _dtype("bfloat16"), inplace=False), _always),
+    ("attention.packed", lambda n: _packed_vs_padded(n), _patchable),
+    ("embeds.image", lambda n: _embeds_vs_model(n, 1), _vision),
+    ("embeds.dummy", lambda n: _embeds_vs_model(n, 0), _vision),
 )
 
 # relative to the largest magnitude, for whole-model comparisons (fp32 summation order differs)
@@ -205,8 +217,8 @@ def run_family(name, tolerance=None):
     """Run every check for one family; yields result dicts as they finish."""
     from ._families import family
 
-    vision = family(name).vision
-    for check, fn, vision_only in CHECKS:
-        if vision_only and not vision:
+    fam = family(name)
+    for check, fn, applies in CHECKS:
+        if not applies(fam):
             continue
         yield _result(name, check, lambda: fn(name), tolerance)

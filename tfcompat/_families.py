@@ -22,7 +22,8 @@ class Family:
     prefix: str
     attention: str
     rotary: str
-    #: "neox": rotate the two halves of the rotary width; "gptj": rotate adjacent pairs
+    #: "neox": rotate the two halves of the rotary width; "gptj": rotate adjacent pairs; "deinterleave":
+    #: DeepSeek's layout (adjacent pairs in, the two halves out: MLA's rope_interleave)
     rotation: str
     #: "none", "contiguous" (Qwen2-VL, GLM-4V T/H/W blocks), "interleaved" (Qwen3-VL, Qwen3.5)
     mrope: str = "none"
@@ -44,15 +45,57 @@ class Family:
     video_frames_as_image_tokens: bool = False
     #: the vision tower returns per-layer deepstack features merged into early decoder layers (Qwen3-VL)
     deepstack: bool = False
+    #: each video frame is a vision block of its own, between vision start/end tokens (Qwen3-VL, Qwen3.5)
+    video_block_per_frame: bool = False
+    #: the family whose text decoder this composite runs (GLM-4.6V runs GLM-4V's): rope and attention
+    #: are resolved in that family's modeling module, under this family's name
+    text_family: str = ""
+    #: why tfcompat.patch cannot serve this family's attention ("": it can); rope still works
+    patch_refusal: str = ""
+    #: the text decoder has no rotary position embedding (NoPE): apply_rope / rope_parameters refuse
+    nope: bool = False
+    # ---- tiny random-weight configs (tfcompat.testing): data, so adding a family is one entry
+    #: text settings on top of the common tiny ones (experts, linear attention, MLA widths)
+    tiny_text: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
+    #: the RoPE dict of the tiny config (mrope_section is added from tiny_section)
+    tiny_rope: dict = dataclasses.field(default_factory=lambda: {"rope_type": "default"}, compare=False, hash=False)
+    tiny_section: tuple = None
+    tiny_partial: float = None
+    #: vision settings on top of the common tiny ones; the value TEXT_HIDDEN is the text hidden size
+    tiny_vision: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     @property
     def modeling(self):
         return f"transformers.models.{self.module}.modeling_{self.module}"
 
     @property
+    def text_modeling(self):
+        """The modeling module that defines the text decoder (attention, rotary) this family runs."""
+        return FAMILIES[self.text_family].modeling if self.text_family else self.modeling
+
+    @property
     def configuration(self):
         return f"transformers.models.{self.module}.configuration_{self.module}"
 
+
+# Tiny-config building blocks shared by several entries (tfcompat.testing adds the common text settings).
+_MOE = dict(moe_intermediate_size=32, num_experts_per_tok=2, n_routed_experts=4, num_experts=4, n_shared_experts=1,
+            first_k_dense_replace=1, shared_expert_intermediate_size=32, n_group=1, topk_group=1,
+            decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[])
+_LINEAR = dict(linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+               linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"])
+_MLA = dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32,
+            index_n_heads=2, index_head_dim=16, index_topk=4, num_key_value_heads=4, head_dim=16)
+_INTERLEAVED = {"rope_type": "default", "mrope_interleaved": True}
+_QWEN_VL_ROPE = {"type": "mrope"}  # the spelling Qwen2-VL configs use (rewritten by the config class)
+_GLM_VISION = dict(image_size=16)
+_QWEN3_VISION = dict(num_position_embeddings=16, deepstack_visual_indexes=[0])
+TEXT_HIDDEN = "text hidden size"
+
+_SPARSE = ("its attention selects keys per query with a learned top-k indexer (DeepSeek sparse attention); a packed "
+           "varlen attention would attend to every key, so tfcompat does not patch it")
+_MLA_REFUSAL = ("its multi-head latent attention (MLA) projects q/k and v to different widths through low-rank "
+                "adapters; tfcompat's packed attention serves the q/k/v attention of the other families only")
 
 FAMILIES = {
     f.name: f
@@ -63,42 +106,80 @@ FAMILIES = {
                config_class="Qwen2Config"),
         Family("qwen3", "qwen3", "Qwen3", "Qwen3Attention", "Qwen3RotaryEmbedding", "neox",
                config_class="Qwen3Config"),
+        Family("qwen2_moe", "qwen2_moe", "Qwen2Moe", "Qwen2MoeAttention", "Qwen2MoeRotaryEmbedding", "neox",
+               config_class="Qwen2MoeConfig", tiny_text=_MOE),
+        Family("qwen3_moe", "qwen3_moe", "Qwen3Moe", "Qwen3MoeAttention", "Qwen3MoeRotaryEmbedding", "neox",
+               config_class="Qwen3MoeConfig", tiny_text=_MOE),
+        Family("qwen3_next", "qwen3_next", "Qwen3Next", "Qwen3NextAttention", "Qwen3NextRotaryEmbedding", "neox",
+               reads_partial_rotary=True, since="4.57.0", config_class="Qwen3NextConfig",
+               tiny_text=dict(_MOE, **_LINEAR), tiny_partial=0.25),
         Family("glm", "glm", "Glm", "GlmAttention", "GlmRotaryEmbedding", "gptj",
-               reads_partial_rotary=True, config_class="GlmConfig"),
+               reads_partial_rotary=True, config_class="GlmConfig", tiny_partial=0.5),
         Family("glm4", "glm4", "Glm4", "Glm4Attention", "Glm4RotaryEmbedding", "gptj",
-               reads_partial_rotary=True, config_class="Glm4Config"),
+               reads_partial_rotary=True, config_class="Glm4Config", tiny_partial=0.5),
+        Family("glm4_moe", "glm4_moe", "Glm4Moe", "Glm4MoeAttention", "Glm4MoeRotaryEmbedding", "neox",
+               reads_partial_rotary=True, since="4.54.0", config_class="Glm4MoeConfig", tiny_text=_MOE,
+               tiny_partial=0.5),
+        Family("glm4_moe_lite", "glm4_moe_lite", "Glm4MoeLite", "Glm4MoeLiteAttention", "Glm4MoeLiteRotaryEmbedding",
+               "deinterleave", reads_partial_rotary=True, since="5.0.0", config_class="Glm4MoeLiteConfig",
+               patch_refusal=_MLA_REFUSAL, tiny_text=dict(_MOE, **_MLA)),
+        Family("glm_moe_dsa", "glm_moe_dsa", "GlmMoeDsa", "GlmMoeDsaAttention", "GlmMoeDsaRotaryEmbedding",
+               "deinterleave", since="5.3.0", config_class="GlmMoeDsaConfig", patch_refusal=_SPARSE,
+               tiny_text=dict(_MOE, **_MLA)),
         Family("qwen2_vl", "qwen2_vl", "Qwen2VL", "Qwen2VLAttention", "Qwen2VLRotaryEmbedding", "neox",
                mrope="contiguous", default_mrope_section=PROBE_ONLY, aliases=("qwen2_vl_text",), vision=True,
-               config_class="Qwen2VLConfig", text_config_class="Qwen2VLTextConfig"),
+               config_class="Qwen2VLConfig", text_config_class="Qwen2VLTextConfig",
+               tiny_rope=_QWEN_VL_ROPE, tiny_section=(4, 6, 6),
+               tiny_vision=dict(embed_dim=32, hidden_size=TEXT_HIDDEN, mlp_ratio=2)),
         Family("qwen2_5_vl", "qwen2_5_vl", "Qwen2_5_VL", "Qwen2_5_VLAttention", "Qwen2_5_VLRotaryEmbedding",
                "neox", mrope="contiguous", default_mrope_section=PROBE_ONLY,
                aliases=("qwen2_5_vl_text", "qwen2.5_vl", "qwen2_5vl"), vision=True,
-               config_class="Qwen2_5_VLConfig", text_config_class="Qwen2_5_VLTextConfig"),
+               config_class="Qwen2_5_VLConfig", text_config_class="Qwen2_5_VLTextConfig",
+               tiny_rope=_QWEN_VL_ROPE, tiny_section=(4, 6, 6),
+               tiny_vision=dict(window_size=16, fullatt_block_indexes=[1], tokens_per_second=2)),
         Family("glm4v", "glm4v", "Glm4v", "Glm4vTextAttention", "Glm4vTextRotaryEmbedding", "gptj",
                mrope="contiguous", default_mrope_section=PROBE_ONLY, reads_partial_rotary=True,
                aliases=("glm4v_text", "glm4_1v"), since="4.53.3", vision=True,
-               config_class="Glm4vConfig", text_config_class="Glm4vTextConfig", video_frames_as_image_tokens=True),
+               config_class="Glm4vConfig", text_config_class="Glm4vTextConfig", video_frames_as_image_tokens=True,
+               tiny_section=(2, 3, 3), tiny_partial=0.5, tiny_vision=_GLM_VISION),
+        Family("glm46v", "glm46v", "Glm46V", "Glm4vTextAttention", "Glm4vTextRotaryEmbedding", "gptj",
+               mrope="contiguous", default_mrope_section=PROBE_ONLY, reads_partial_rotary=True,
+               aliases=("glm4_6v",), since="5.0.0", vision=True, text_family="glm4v",
+               config_class="Glm46VConfig", text_config_class="Glm4vTextConfig", video_frames_as_image_tokens=True,
+               tiny_section=(2, 3, 3), tiny_partial=0.5, tiny_vision=_GLM_VISION),
         Family("glm4v_moe", "glm4v_moe", "Glm4vMoe", "Glm4vMoeTextAttention", "Glm4vMoeTextRotaryEmbedding",
                "neox", mrope="contiguous", default_mrope_section=PROBE_ONLY, reads_partial_rotary=True,
                aliases=("glm4v_moe_text", "glm4vmoe_text", "glm4vmoe", "glm4_5v"), since="4.56.0", vision=True,
                config_class="Glm4vMoeConfig", text_config_class="Glm4vMoeTextConfig",
-               video_frames_as_image_tokens=True),
+               video_frames_as_image_tokens=True, tiny_text=_MOE, tiny_section=(2, 3, 3), tiny_partial=0.5,
+               tiny_vision=_GLM_VISION),
+        Family("glm_ocr", "glm_ocr", "GlmOcr", "GlmOcrTextAttention", "GlmOcrTextRotaryEmbedding", "gptj",
+               mrope="contiguous", default_mrope_section=PROBE_ONLY, reads_partial_rotary=True,
+               aliases=("glm_ocr_text",), since="5.3.0", vision=True,
+               config_class="GlmOcrConfig", text_config_class="GlmOcrTextConfig", video_frames_as_image_tokens=True,
+               tiny_section=(2, 3, 3), tiny_partial=0.5, tiny_vision=_GLM_VISION),
         Family("qwen3_vl", "qwen3_vl", "Qwen3VL", "Qwen3VLTextAttention", "Qwen3VLTextRotaryEmbedding", "neox",
                mrope="interleaved", default_mrope_section=(24, 20, 20), aliases=("qwen3_vl_text",),
-               since="4.57.0", vision=True,
-               config_class="Qwen3VLConfig", text_config_class="Qwen3VLTextConfig", deepstack=True),
+               since="4.57.0", vision=True, video_block_per_frame=True,
+               config_class="Qwen3VLConfig", text_config_class="Qwen3VLTextConfig", deepstack=True,
+               tiny_rope=_INTERLEAVED, tiny_section=(6, 5, 5), tiny_vision=_QWEN3_VISION),
         Family("qwen3_vl_moe", "qwen3_vl_moe", "Qwen3VLMoe", "Qwen3VLMoeTextAttention",
                "Qwen3VLMoeTextRotaryEmbedding", "neox", mrope="interleaved", default_mrope_section=(24, 20, 20),
-               aliases=("qwen3_vl_moe_text",), since="4.57.0", vision=True,
-               config_class="Qwen3VLMoeConfig", text_config_class="Qwen3VLMoeTextConfig", deepstack=True),
+               aliases=("qwen3_vl_moe_text",), since="4.57.0", vision=True, video_block_per_frame=True,
+               config_class="Qwen3VLMoeConfig", text_config_class="Qwen3VLMoeTextConfig", deepstack=True,
+               tiny_text=_MOE, tiny_rope=_INTERLEAVED, tiny_section=(6, 5, 5), tiny_vision=_QWEN3_VISION),
         Family("qwen3_5", "qwen3_5", "Qwen3_5", "Qwen3_5Attention", "Qwen3_5TextRotaryEmbedding", "neox",
                mrope="interleaved", default_mrope_section=(11, 11, 10), reads_partial_rotary=True,
-               aliases=("qwen3_5_text", "qwen3.5"), since="5.2.0", vision=True,
-               config_class="Qwen3_5Config", text_config_class="Qwen3_5TextConfig"),
+               aliases=("qwen3_5_text", "qwen3.5"), since="5.2.0", vision=True, video_block_per_frame=True,
+               config_class="Qwen3_5Config", text_config_class="Qwen3_5TextConfig",
+               tiny_text=_LINEAR, tiny_rope=_INTERLEAVED, tiny_section=(2, 1, 1), tiny_partial=0.25,
+               tiny_vision=dict(num_position_embeddings=16)),
         Family("qwen3_5_moe", "qwen3_5_moe", "Qwen3_5Moe", "Qwen3_5MoeAttention", "Qwen3_5MoeTextRotaryEmbedding",
                "neox", mrope="interleaved", default_mrope_section=(11, 11, 10), reads_partial_rotary=True,
-               aliases=("qwen3_5_moe_text", "qwen3.5_moe"), since="5.2.0", vision=True,
-               config_class="Qwen3_5MoeConfig", text_config_class="Qwen3_5MoeTextConfig"),
+               aliases=("qwen3_5_moe_text", "qwen3.5_moe"), since="5.2.0", vision=True, video_block_per_frame=True,
+               config_class="Qwen3_5MoeConfig", text_config_class="Qwen3_5MoeTextConfig",
+               tiny_text=dict(_MOE, **_LINEAR), tiny_rope=_INTERLEAVED, tiny_section=(2, 1, 1), tiny_partial=0.25,
+               tiny_vision=dict(num_position_embeddings=16)),
     )
 }
 

@@ -652,6 +652,9 @@ def patch(model, *, remove_padding=True, ulysses_group=None, dummy_visual=True):
     """
     config = getattr(model, "config", None)
     fam = _family(config if config is not None else model)
+    if fam.patch_refusal:
+        raise UnsupportedTransformersError(f"tfcompat.patch cannot serve {fam.name}: {fam.patch_refusal}. "
+                                           f"tfcompat.rope.apply_rope and tfcompat.config.rope_parameters still do")
     from .config import rope_parameters, text_config
 
     resolutions = tuple(_resolve.resolve(kind, fam.name) for kind in ("rope.init", "rope.apply", "attention.signature"))

@@ -164,7 +164,12 @@ def _resolve_rope_apply(fam, capability):
     attention = _attr(module, fam.attention, capability)
     body = _probe(capability, "which rotary function the attention calls", attention.forward, lambda b: b)
     where = f"{fam.attention}.forward"
-    if "apply_multimodal_rotary_pos_emb" in body and hasattr(module, "apply_multimodal_rotary_pos_emb"):
+    if fam.rotation == "deinterleave" and "apply_rotary_pos_emb_interleave(" in body and \
+            hasattr(module, "apply_rotary_pos_emb_interleave"):
+        name, rows = "apply_rotary_pos_emb_interleave", 0
+        reason = (f"{where} calls apply_rotary_pos_emb_interleave (the config's rope_interleave default): adjacent "
+                  f"pairs in, halves out; cos/sin folded as (batch, seq, dim)")
+    elif "apply_multimodal_rotary_pos_emb" in body and hasattr(module, "apply_multimodal_rotary_pos_emb"):
         name, rows = "apply_multimodal_rotary_pos_emb", 3
         reason = f"{where} calls apply_multimodal_rotary_pos_emb: cos/sin arrive as (3, batch, seq, dim)"
     elif "apply_rotary_pos_emb(" in body and hasattr(module, "apply_rotary_pos_emb"):
@@ -280,7 +285,9 @@ def resolve(kind, family):
             return hit
         if kind not in _RESOLVERS:
             raise TfcompatError(f"unknown capability kind {kind!r}; known: {', '.join(sorted(_RESOLVERS))}")
-        result = _RESOLVERS[kind](fam, capability)
+        # a composite that runs another family's text decoder (GLM-4.6V: GLM-4V's) is resolved in that
+        # family's modeling module, under its own name
+        result = _RESOLVERS[kind](FAMILIES[fam.text_family] if fam.text_family else fam, capability)
         _cache[capability] = result
         return result
 

@@ -131,7 +131,7 @@ def rope_parameters(config, *, model_type=None):
 
     scaling = {k: v for k, v in raw.items() if k not in _KNOWN_KEYS}
     return RopeParameters(
-        model_type=fam.name,
+        model_type=fam.text_family or fam.name,  # the decoder these parameters describe
         rope_type=rope_type,
         rope_theta=float(theta),
         head_dim=int(head_dim),

@@ -153,6 +153,16 @@ def _native(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace):
     from ._kernels import rope as kernels
 
     plan = res.plan
+    rotation = plan.rotation
+    if rotation == "deinterleave":
+        # DeepSeek/MLA layout (rope_interleave): adjacent pairs in, halves out = a permutation, then NeoX
+        width = cos.shape[-1]
+        if width != q.shape[-1] or width != k.shape[-1]:
+            raise RopeShapeError(f"apply_rope for {fam.name}: the interleaved (MLA) rotary rotates the whole head, "
+                                 f"so cos width {width} must equal q's and k's head_dim ({q.shape[-1]}, {k.shape[-1]}); "
+                                 f"pass the rotary part of q and k (qk_rope_head_dim)")
+        q, k = kernels.deinterleave(q, inplace), kernels.deinterleave(k, inplace)
+        rotation = "neox"
     if plan.cos_rows == 3:
         cos = kernels.fold_contiguous(cos, section)
         sin = kernels.fold_contiguous(sin, section)
@@ -162,9 +172,9 @@ def _native(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace):
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
     if _compiling():
         # under torch.compile the plain formula is traced and fused by the compiler
-        trig = kernels.Trig(cos, sin, plan.rotation, plan.gptj_cos, probe_pairs=False)
+        trig = kernels.Trig(cos, sin, rotation, plan.gptj_cos, probe_pairs=False)
         return kernels.composite(q, trig), kernels.composite(k, trig)
-    trig = kernels.Trig(cos, sin, plan.rotation, plan.gptj_cos)
+    trig = kernels.Trig(cos, sin, rotation, plan.gptj_cos)
     return (kernels.rotate(q, cos, sin, trig, seq_dim, inplace=inplace),
             kernels.rotate(k, cos, sin, trig, seq_dim, inplace=inplace))
 

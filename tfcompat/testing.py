@@ -7,27 +7,18 @@ model can be instantiated on a CPU in milliseconds. Nothing is downloaded.
 .. versionadded:: 0.1.0
 """
 
+import copy
 import importlib
 
 from . import _resolve
-from ._families import family as _family
+from ._families import FAMILIES as _FAMILIES, TEXT_HIDDEN, family as _family
 
 __all__ = ["tiny_config", "tiny_model", "tiny_sequence", "tiny_pixels", "model_class", "TINY_SECTIONS"]
 
 HEAD_DIM = 32
 
-#: mRoPE sections of the tiny configs: contiguous families add up to rotary_dim/2.
-TINY_SECTIONS = {
-    "qwen2_vl": (4, 6, 6),      # head_dim 32, full rotary -> 16 frequencies
-    "qwen2_5_vl": (4, 6, 6),
-    "glm4v": (2, 3, 3),         # partial 0.5 -> 8 frequencies
-    "glm4v_moe": (2, 3, 3),
-    "qwen3_vl": (6, 5, 5),      # interleaved; 3 * 5 <= 16
-    "qwen3_vl_moe": (6, 5, 5),
-    "qwen3_5": (2, 1, 1),       # partial 0.25 -> 4 frequencies
-    "qwen3_5_moe": (2, 1, 1),
-}
-_PARTIAL = {"glm": 0.5, "glm4": 0.5, "glm4v": 0.5, "glm4v_moe": 0.5, "qwen3_5": 0.25, "qwen3_5_moe": 0.25}
+#: mRoPE sections of the tiny configs (contiguous families add up to rotary_dim/2), from the family table.
+TINY_SECTIONS = {name: fam.tiny_section for name, fam in _FAMILIES.items() if fam.tiny_section}
 
 
 def _text_kwargs(fam, key):
@@ -36,48 +27,29 @@ def _text_kwargs(fam, key):
         num_key_value_heads=2, head_dim=HEAD_DIM, max_position_embeddings=512, rms_norm_eps=1e-6,
         tie_word_embeddings=False, attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )
-    if fam.name in ("glm4v_moe", "qwen3_vl_moe", "qwen3_5_moe"):
-        kw.update(moe_intermediate_size=32, num_experts_per_tok=2, n_routed_experts=4, num_experts=4,
-                  n_shared_experts=1, first_k_dense_replace=1, shared_expert_intermediate_size=32,
-                  n_group=1, topk_group=1, decoder_sparse_step=1, norm_topk_prob=True)
-    if fam.name in ("qwen3_5", "qwen3_5_moe"):
-        kw.update(linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                  linear_num_key_heads=2, linear_num_value_heads=4,
-                  layer_types=["linear_attention", "full_attention"])
-    rope = {"rope_type": "default"}
+    kw.update(copy.deepcopy(fam.tiny_text))
+    rope = dict(fam.tiny_rope)
+    if fam.tiny_section:
+        rope["mrope_section"] = list(fam.tiny_section)
     theta = 10000.0
-    if fam.name in TINY_SECTIONS:
-        rope["mrope_section"] = list(TINY_SECTIONS[fam.name])
-        if fam.name in ("qwen2_vl", "qwen2_5_vl"):
-            rope = {"type": "mrope", "mrope_section": list(TINY_SECTIONS[fam.name])}
-        if fam.name in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):
-            rope["mrope_interleaved"] = True
-    partial = _PARTIAL.get(fam.name)
     if key == "rope_parameters":
         rope = dict(rope, rope_theta=theta)
-        if partial is not None:
-            rope["partial_rotary_factor"] = partial
+        if fam.tiny_partial is not None:
+            rope["partial_rotary_factor"] = fam.tiny_partial
         kw["rope_parameters"] = rope
     else:
         kw["rope_theta"] = theta
         kw["rope_scaling"] = rope if len(rope) > 1 else None
-        if partial is not None:
-            kw["partial_rotary_factor"] = partial
+        if fam.tiny_partial is not None:
+            kw["partial_rotary_factor"] = fam.tiny_partial
     return kw
 
 
 def _vision_kwargs(fam, text_hidden):
-    common = dict(depth=2, hidden_size=32, num_heads=2, in_channels=3, patch_size=4, spatial_merge_size=2,
-                  temporal_patch_size=2, intermediate_size=64, out_hidden_size=text_hidden)
-    if fam.name == "qwen2_vl":
-        return dict(common, embed_dim=32, hidden_size=text_hidden, mlp_ratio=2)
-    if fam.name == "qwen2_5_vl":
-        return dict(common, window_size=16, fullatt_block_indexes=[1], tokens_per_second=2)
-    if fam.name in ("glm4v", "glm4v_moe"):
-        return dict(common, image_size=16)
-    if fam.name in ("qwen3_vl", "qwen3_vl_moe"):
-        return dict(common, num_position_embeddings=16, deepstack_visual_indexes=[0])
-    return dict(common, num_position_embeddings=16)
+    kw = dict(depth=2, hidden_size=32, num_heads=2, in_channels=3, patch_size=4, spatial_merge_size=2,
+              temporal_patch_size=2, intermediate_size=64, out_hidden_size=text_hidden)
+    kw.update({k: text_hidden if v == TEXT_HIDDEN else copy.deepcopy(v) for k, v in fam.tiny_vision.items()})
+    return kw
 
 
 def tiny_config(model_type, **overrides):
@@ -100,7 +72,7 @@ def tiny_config(model_type, **overrides):
     ids = dict(image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253,
                image_start_token_id=252, image_end_token_id=253, video_start_token_id=254,
                video_end_token_id=255)
-    if not hasattr(module, fam.text_config_class):
+    if not fam.text_family and not hasattr(module, fam.text_config_class):
         # Qwen2-VL before 4.52: text settings are flat on the top-level config
         return cls(vision_config=vision, **ids, **text)
     return cls(text_config=text, vision_config=vision, **ids)
@@ -131,7 +103,7 @@ def tiny_sequence(model_type, *, text=4, image=False, video=False, image_first=F
     fam = _family(model_type)
     ids = list(range(10, 10 + text))
     cfg = tiny_config(model_type)
-    glm = fam.name in ("glm4v", "glm4v_moe")
+    glm = fam.video_frames_as_image_tokens
 
     def image_tokens():
         if glm:
@@ -141,7 +113,7 @@ def tiny_sequence(model_type, *, text=4, image=False, video=False, image_first=F
     def video_tokens():
         if glm:
             return [cfg.video_start_token_id] + image_tokens() * 2 + [cfg.video_end_token_id]
-        if fam.name.startswith("qwen3"):  # one vision block per frame
+        if fam.video_block_per_frame:
             return ([cfg.vision_start_token_id] + [cfg.video_token_id] * 4 + [cfg.vision_end_token_id]) * 2
         return [cfg.vision_start_token_id] + [cfg.video_token_id] * 8 + [cfg.vision_end_token_id]
 

@@ -186,6 +186,14 @@ def rotate(x, cos, sin, trig, seq_dim, inplace=False):
     return fn.apply(x, cos, sin, trig, seq_dim)
 
 
+def deinterleave(x, inplace=False):
+    """(x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...): DeepSeek's interleaved rotary input as NeoX halves.
+
+    In place, x is overwritten through a fresh copy (autograd-safe: the copy's backward needs no old x)."""
+    perm = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+    return x.copy_(perm) if inplace else perm
+
+
 def fold_contiguous(cos, section):
     """Qwen2-VL / GLM-4V mRoPE: (3, b, s, rd) -> (b, s, rd), T/H/W blocks of ``section`` (twice)."""
     split = list(section) * 2
