@@ -66,3 +66,18 @@ def upstream_rope(name, config):
         return lambda q, k, c, s, unsqueeze_dim=1: fn(q, k, c, s, unsqueeze_dim=unsqueeze_dim)
     fn = module.apply_rotary_pos_emb
     return lambda q, k, c, s, unsqueeze_dim=1: fn(q, k, c, s, unsqueeze_dim=unsqueeze_dim)
+
+
+def grads_by_name(got, want, what):
+    """Pair two {name: grad} dicts for comparison. A gradient present in one run only must be exactly zero:
+    on releases that loop over experts, an expert that only padding tokens were routed to gets a zero
+    gradient in the padded run and none in the packed one. Anything else missing is a failure."""
+    pairs = []
+    for key in sorted(set(got) | set(want)):
+        if key in got and key in want:
+            pairs.append((key, got[key], want[key]))
+            continue
+        present = got.get(key, want.get(key))
+        assert not bool(present.count_nonzero()), f"{what}: nonzero gradient of {key} in one run only"
+    assert pairs, f"{what}: no gradients to compare"
+    return pairs

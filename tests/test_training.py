@@ -15,7 +15,7 @@ import tfcompat
 from tfcompat._families import FAMILIES as SPECS
 from tfcompat.packing import pack, unpack
 
-from _helpers import installed, linear_attention, patchable  # noqa: F401
+from _helpers import grads_by_name, installed, linear_attention, patchable  # noqa: F401
 from _models import forward_kwargs, padded, run_upstream, three_d_positions, tiny_model, tiny_pixels, tiny_sequence
 
 FAMILIES = patchable()
@@ -37,11 +37,9 @@ def _close(got, want, what):
 
 
 def _close_all(got, want, what):
-    """Every entry of want (gradients or parameters by name) in got, and close."""
-    missing = set(want) - set(got)
-    assert not missing, f"{what}: missing {sorted(missing)[:4]}"
-    for key, value in want.items():
-        _close(got[key], value, f"{what} {key}")
+    """Gradients (or parameters) by name: close, and any present in one run only exactly zero."""
+    for key, g, w in grads_by_name(got, want, what):
+        _close(g, w, f"{what} {key}")
 
 
 def _clean(name):
@@ -101,7 +99,6 @@ def test_checkpointed_packed_training_equals_padded(name, how):
     valid = mask.bool()
     _close(logits[valid].detach(), want[valid], f"{name}/{how} logits")
     grads = _grads(model)
-    assert grads.keys() == want_grads.keys(), set(grads) ^ set(want_grads)
     _close_all(grads, want_grads, f"{name}/{how} grad")
 
 
@@ -143,6 +140,12 @@ def test_three_adamw_steps(name):
             loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
                                                      labels[:, 1:].flatten(), ignore_index=-100)
             loss.backward()
+            for p in model.parameters():
+                # an expert only padding tokens reach gets a zero gradient padded and None packed, and
+                # AdamW would decay and count a step for one and skip the other (what DDP/FSDP hand the
+                # optimizer for an unused parameter is a zero gradient too)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
             opt.step()
             losses.append(loss.item())
         return losses, {_clean(n): p.detach() for n, p in model.named_parameters()}

@@ -144,7 +144,12 @@ def _packed_vs_padded(name):
     diff = (logits[valid] - ref[valid]).abs().max().item() / max(1.0, ref.abs().max().item())
     for n, p in model.named_parameters():
         if (p.grad is None) != (n not in ref_grads):
-            raise AssertionError(f"{n}: gradient present in one run only")
+            # an expert only padding tokens were routed to gets an exact zero gradient in the padded run
+            # and none in the packed one; anything else present in one run only is a real difference
+            present = p.grad if p.grad is not None else ref_grads[n]
+            if bool(present.count_nonzero()):
+                raise AssertionError(f"{n}: a nonzero gradient in one run only")
+            continue
         if p.grad is not None:
             scale = max(1.0, ref_grads[n].abs().max().item())
             diff = max(diff, (p.grad - ref_grads[n]).abs().max().item() / scale)
