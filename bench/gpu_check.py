@@ -2,7 +2,8 @@
 
     python bench/gpu_check.py            # needs CUDA; flash-attn optional (reported when missing)
 
-1. varlen_attention on CUDA bf16 with flash-attn vs the SDPA fallback (forward and gradients).
+1. varlen_attention on CUDA bf16 with flash-attn, and PyTorch's varlen_attn (causal and windowed), vs the
+   SDPA fallback (forward and gradients).
 2. A patched tiny Qwen2-VL on a packed batch vs the unpatched model on the padded batch, on CUDA.
 3. apply_rope native vs upstream on CUDA (fp32 and bf16).
 Prints one line per check with the max abs difference and the tolerance; exits non-zero on failure.
@@ -41,13 +42,30 @@ def main():
         print(f"[{'ok' if ok else 'FAIL'}] varlen flash vs fallback bf16: max|diff| {diff:.3g} (tol 2e-2)")
     else:
         print("[skip] flash-attn is not importable: pip install flash-attn")
+    if varlen._torch_varlen() is not None:
+        # PyTorch's own varlen kernel, as varlen._varlen calls it (causal, and a sliding window of 64)
+        for window in (None, 64):
+            left = -1 if window is None else window - 1
+            out = varlen._torch_varlen()(q, k, v, cu, cu, 511, 511, scale=64 ** -0.5, window_size=(left, 0),
+                                         enable_gqa=True)
+            ref = _sdpa_fallback(q, k, v, cu.tolist(), 64 ** -0.5, True, window, 0.0)
+            go = torch.randn_like(out)
+            ga = torch.autograd.grad(out, (q, k, v), go)
+            gb = torch.autograd.grad(ref, (q, k, v), go)
+            diff = max((out - ref).abs().max().item(), *[(a - b).abs().max().item() for a, b in zip(ga, gb)])
+            ok = diff <= 2e-2
+            failures += not ok
+            print(f"[{'ok' if ok else 'FAIL'}] torch varlen_attn (window {window}) vs fallback bf16: max|diff| "
+                  f"{diff:.3g} (tol 2e-2)")
+    else:
+        print("[skip] this torch has no torch.nn.attention.varlen")
 
     from tfcompat import _checks
 
     torch.set_default_device(dev)
     try:
         for check in ("rope.native.fp32", "rope.native.bf16", "attention.packed"):
-            fn = dict((c, f) for c, f, _ in _checks.CHECKS)[check]
+            fn = {c: f for c, f, _ in _checks.CHECKS}[check]
             res = _checks._result("qwen2_vl", check, lambda: fn("qwen2_vl"), None)
             failures += not res["passed"]
             print(f"[{'ok' if res['passed'] else 'FAIL'}] qwen2_vl {check} on CUDA: max|diff| "

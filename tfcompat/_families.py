@@ -180,6 +180,16 @@ FAMILIES = {
                config_class="Qwen3_5MoeConfig", text_config_class="Qwen3_5MoeTextConfig",
                tiny_text=dict(_MOE, **_LINEAR), tiny_rope=_INTERLEAVED, tiny_section=(2, 1, 1), tiny_partial=0.25,
                tiny_vision=dict(num_position_embeddings=16)),
+        Family("qwen4_exp", "qwen4_exp", "Qwen4Exp", "Qwen4ExpTextAttention", "Qwen4ExpTextRotaryEmbedding", "neox",
+               mrope="interleaved", default_mrope_section=(11, 11, 10), reads_partial_rotary=True,
+               aliases=("qwen4_exp_text",), since="5.16.0", vision=True, video_block_per_frame=True,
+               config_class="Qwen4ExpConfig", text_config_class="Qwen4ExpTextConfig", patch_refusal=_SPARSE,
+               tiny_text=dict(_MOE, **_LINEAR, hc_lowrank=16, ngram_vocab_size_base=512,
+                              make_ngram_vocab_size_divisible_by=8, heads_per_ngram=2, split_ngram_parts=4,
+                              indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4,
+                              indexer_compress_ratio=2),
+               tiny_rope=_INTERLEAVED, tiny_section=(2, 1, 1), tiny_partial=0.25,
+               tiny_vision=dict(num_position_embeddings=16)),
     )
 }
 

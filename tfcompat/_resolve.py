@@ -306,6 +306,15 @@ def installed_families():
     return found
 
 
+def _varlen_backends():
+    from . import varlen
+
+    cuda = varlen.backend(None)
+    return Resolution("varlen.backend", cuda, "", f"packed attention: CUDA fp16/bf16 tensors -> {cuda}; "
+                      f"CPU, fp32 or dropout -> sdpa (exact fallback, one fused SDPA call per sequence)",
+                      str(_version.transformers_version()))
+
+
 def report(families=None):
     """Resolve every capability for ``families`` (default: all installed) and return the records.
 
@@ -313,7 +322,7 @@ def report(families=None):
     ``"unsupported"`` and the error text as reason, so one gap does not hide the rest.
     """
     names = installed_families() if families is None else [_family(f).name for f in families]
-    out = []
+    out = [_varlen_backends()]
     for name in names:
         for kind in _RESOLVERS:
             try:

@@ -65,6 +65,10 @@ def tiny_config(model_type, **overrides):
     vision_over = overrides.pop("vision_config", {})
     text = _text_kwargs(fam, key)
     text.update(overrides)
+    if "layer_types" in text and "layer_types" not in overrides:
+        # hybrid decoders: the tiny pattern repeated over the requested number of layers
+        pattern = text["layer_types"]
+        text["layer_types"] = [pattern[i % len(pattern)] for i in range(text["num_hidden_layers"])]
     if not fam.vision:
         return cls(**text)
     vision = _vision_kwargs(fam, text["hidden_size"])

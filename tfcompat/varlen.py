@@ -5,8 +5,9 @@ sequence i occupying ``cu_seqlens[i]:cu_seqlens[i+1]``. Queries attend only insi
 own sequence.
 
 ``varlen_attention`` calls ``flash_attn_varlen_func`` when flash-attn is importable and
-the tensors are on CUDA in fp16/bf16; elsewhere an exact per-sequence
-scaled-dot-product fallback computes the same numbers.
+the tensors are on CUDA in fp16/bf16; else PyTorch's own ``varlen_attn`` on CUDA where the
+installed torch has it; elsewhere an exact per-sequence scaled-dot-product fallback computes
+the same numbers (:func:`backend` says which; ``tfcompat report`` lists it).
 
 .. versionadded:: 0.1.0
 """
@@ -18,7 +19,7 @@ import torch
 from .errors import PackingError
 
 __all__ = ["PackingError", "cu_seqlens_from_position_ids", "check_cu_seqlens", "varlen_attention",
-           "flash_attn_available"]
+           "flash_attn_available", "backend"]
 
 
 def check_cu_seqlens(cu_seqlens, total, what="cu_seqlens"):
@@ -98,6 +99,30 @@ def _flash_varlen():
     return flash_attn_varlen_func
 
 
+@functools.lru_cache(maxsize=None)
+def _torch_varlen():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except Exception:  # torch before 2.10
+        return None
+    return varlen_attn
+
+
+def backend(tensor=None, dropout_p=0.0):
+    """Which kernel ``varlen_attention`` runs for ``tensor`` (None: for a CUDA bf16 tensor).
+
+    "flash_attn": flash-attn's ``flash_attn_varlen_func`` (importable, CUDA, fp16/bf16);
+    "torch_varlen": PyTorch's ``torch.nn.attention.varlen.varlen_attn`` (CUDA, fp16/bf16, no dropout);
+    "sdpa": the exact fallback, one fused SDPA call per sequence (every device and dtype).
+    """
+    cuda_half = tensor is None or (tensor.is_cuda and tensor.dtype in (torch.float16, torch.bfloat16))
+    if cuda_half and _flash_varlen() is not None:
+        return "flash_attn"
+    if cuda_half and dropout_p == 0.0 and _torch_varlen() is not None:
+        return "torch_varlen"
+    return "sdpa"
+
+
 def flash_attn_available(tensor=None):
     """True when flash-attn's varlen kernel can run (importable, and ``tensor`` on CUDA in fp16/bf16)."""
     if _flash_varlen() is None:
@@ -158,12 +183,19 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen=None, *, causal=True, softm
 
 def _varlen(q, k, v, cu_seqlens, bounds, max_seqlen, *, causal, softmax_scale, window, dropout_p):
     """Validated inputs: ``bounds`` are cu_seqlens as Python ints (computed once per step by the caller)."""
-    flash = _flash_varlen()
-    if flash is not None and flash_attn_available(q):
+    kind = backend(q, dropout_p)
+    if kind == "flash_attn":
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         win = (-1, -1) if window is None else (window - 1, 0)
-        return flash(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p, softmax_scale=softmax_scale,
-                     causal=causal, window_size=win)
+        return _flash_varlen()(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p,
+                               softmax_scale=softmax_scale, causal=causal, window_size=win)
+    if kind == "torch_varlen":
+        # no host sync: cu stays on the device, max_seqlen is the Python int computed once per step
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        left = -1 if window is None else window - 1
+        win = (left, 0) if causal else (left, -1 if window is None else window - 1)
+        return _torch_varlen()(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=softmax_scale, window_size=win,
+                               enable_gqa=q.shape[1] != k.shape[1])
     return _sdpa_fallback(q, k, v, bounds, softmax_scale, causal, window, dropout_p)
 
 
