@@ -65,6 +65,9 @@ def upstream_rope(name, config):
         fn = module.apply_rotary_pos_emb_interleave
         return lambda q, k, c, s, unsqueeze_dim=1: fn(q, k, c, s, unsqueeze_dim=unsqueeze_dim)
     fn = module.apply_rotary_pos_emb
+    if list(inspect.signature(fn).parameters)[1] == "cos":  # one tensor per call (GLM-5 on 5.3-5.5)
+        return lambda q, k, c, s, unsqueeze_dim=1: (fn(q, c, s, unsqueeze_dim=unsqueeze_dim),
+                                                    fn(k, c, s, unsqueeze_dim=unsqueeze_dim))
     return lambda q, k, c, s, unsqueeze_dim=1: fn(q, k, c, s, unsqueeze_dim=unsqueeze_dim)
 
 

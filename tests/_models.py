@@ -48,7 +48,7 @@ def capture_text_model_inputs(model, **kwargs):
 
 
 def three_d_positions(model, ids, mask, pixels):
-    if not FAMILIES[model.config.model_type].vision:
+    if not family(model.config).vision:
         return None
     pos, _ = rope_index(model, ids, image_grid_thw=pixels.get("image_grid_thw"),
                         video_grid_thw=pixels.get("video_grid_thw"), attention_mask=mask)

@@ -30,7 +30,8 @@ class Family:
     #: mrope_section the modeling code falls back to when the config has none (None: no default;
     #: PROBE_ONLY: it changed between releases, so only the probe can tell and a failed probe is an error)
     default_mrope_section: tuple = None
-    #: partial_rotary_factor the 5.x rotary module honours (4.x: every model reads the attribute)
+    #: partial_rotary_factor the 5.x rotary module honours (4.x: every model reads the attribute);
+    #: PROBE_ONLY where it changed between releases
     reads_partial_rotary: bool = False
     #: model_type strings of the text config (and odd spellings seen in the wild)
     aliases: tuple = ()
@@ -124,7 +125,8 @@ FAMILIES = {
                "deinterleave", reads_partial_rotary=True, since="5.0.0", config_class="Glm4MoeLiteConfig",
                patch_refusal=_MLA_REFUSAL, tiny_text=dict(_MOE, **_MLA)),
         Family("glm_moe_dsa", "glm_moe_dsa", "GlmMoeDsa", "GlmMoeDsaAttention", "GlmMoeDsaRotaryEmbedding",
-               "deinterleave", since="5.3.0", config_class="GlmMoeDsaConfig", patch_refusal=_SPARSE,
+               "deinterleave", reads_partial_rotary=PROBE_ONLY, since="5.3.0", config_class="GlmMoeDsaConfig",
+               patch_refusal=_SPARSE,
                tiny_text=dict(_MOE, **_MLA)),
         Family("qwen2_vl", "qwen2_vl", "Qwen2VL", "Qwen2VLAttention", "Qwen2VLRotaryEmbedding", "neox",
                mrope="contiguous", default_mrope_section=PROBE_ONLY, aliases=("qwen2_vl_text",), vision=True,

@@ -64,7 +64,8 @@ class Resolution:
 class RopePlan:
     """How the installed attention of a family applies RoPE.
 
-    rotation: "neox" (halves of the rotary width, ``rotate_half``) or "gptj" (adjacent pairs).
+    rotation: "neox" (halves of the rotary width, ``rotate_half``), "gptj" (adjacent pairs) or
+        "deinterleave" (DeepSeek/MLA: adjacent pairs in, halves out).
     cos_rows: 3 when cos/sin arrive unfolded as (3, batch, seq, dim) and the attention folds
         the mRoPE sections itself; 0 when they arrive folded as (batch, seq, dim).
     gptj_cos: for "gptj": "half" when the attention takes the first half of cos and
@@ -76,6 +77,8 @@ class RopePlan:
     cos_rows: int
     gptj_cos: str = ""
     mrope: str = "none"
+    #: the upstream function rotates one tensor per call, ``fn(x, cos, sin)`` (GLM-5 on 5.3-5.5)
+    single: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +185,18 @@ def _resolve_rope_apply(fam, capability):
             f"(tested {_version.MIN_TRANSFORMERS} to {_version.TESTED_MAX_TRANSFORMERS}); please report it"
         )
     fn = getattr(module, name)
+    rotation = fam.rotation
+    if rotation == "deinterleave" and name != "apply_rotary_pos_emb_interleave":
+        # GLM-5 (glm_moe_dsa) 5.3-5.5 rotate the rope part of its MLA heads as plain NeoX halves
+        rotation = "neox"
+        reason += "; NeoX halves (this release does not call apply_rotary_pos_emb_interleave)"
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        params = []
+    single = len(params) > 1 and params[1] == "cos"  # apply_rotary_pos_emb(x, cos, sin): one tensor a call
+    if single:
+        reason += "; the function rotates one tensor per call"
     gptj_cos = ""
     if fam.rotation == "gptj":
         # GLM before 5.17 halves cos and repeat-interleaves it inside the apply function;
@@ -189,7 +204,7 @@ def _resolve_rope_apply(fam, capability):
         gptj_cos = _probe(capability, "the GPT-J cos layout", fn,
                           lambda b: "half" if "repeat_interleave" in b else "pairs")
         reason += f"; GPT-J pairs, cos {'halved and repeat-interleaved by the attention' if gptj_cos == 'half' else 'already interleaved by the rotary module'}"
-    plan = RopePlan(rotation=fam.rotation, cos_rows=rows, gptj_cos=gptj_cos, mrope=fam.mrope)
+    plan = RopePlan(rotation=rotation, cos_rows=rows, gptj_cos=gptj_cos, mrope=fam.mrope, single=single)
     return Resolution(capability, name, f"{module.__name__}.{name}", reason,
                       str(_version.transformers_version()), plan, fn)
 
@@ -204,7 +219,8 @@ def _resolve_rope_init(fam, capability):
     if default is not None:
         # 5.x: a per-model staticmethod reads config.rope_parameters (transformers 5.0.0)
         reads_partial = _probe(capability, "whether partial_rotary_factor is read", default,
-                               lambda b: "partial_rotary_factor" in b, fam.reads_partial_rotary)
+                               lambda b: "partial_rotary_factor" in b,
+                               _NO_FACT if fam.reads_partial_rotary == PROBE_ONLY else fam.reads_partial_rotary)
         key, impl = "rope_parameters", "compute_default_rope_parameters"
         source = f"{module.__name__}.{fam.rotary}.compute_default_rope_parameters"
         reason = f"{fam.rotary} has compute_default_rope_parameters (config.rope_parameters)"

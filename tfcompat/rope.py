@@ -202,6 +202,9 @@ def apply_rope(q, k, cos, sin, *, config=None, model_type=None, mrope_section=No
     if _impl(impl) == "upstream":
         if res.plan.cos_rows == 3:
             return res.target(q, k, cos, sin, list(section), unsqueeze_dim=unsqueeze_dim)
+        if res.plan.single:
+            return (res.target(q, cos, sin, unsqueeze_dim=unsqueeze_dim),
+                    res.target(k, cos, sin, unsqueeze_dim=unsqueeze_dim))
         return res.target(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
     return _native(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace=False)
 
