@@ -13,6 +13,7 @@ import time
 import torch
 
 import tfcompat
+from tfcompat._families import family
 from tfcompat.packing import pack, unpack
 from tfcompat.testing import tiny_model
 
@@ -42,7 +43,7 @@ def main():
     ids = torch.randint(10, 240, (args.batch, args.max_len), generator=g)
     mask = (torch.arange(args.max_len)[None] < lengths[:, None]).long()
     padding = 1 - mask.float().mean().item()
-    vision = "vl" in args.family or args.family.startswith(("glm4v", "qwen3_5"))
+    vision = family(args.family).vision
     pk = pack(ids, mask, vision=vision)
 
     def padded_step():

@@ -20,8 +20,8 @@ def child(mode, family, tokens, hidden):
     from tfcompat.embeds import get_input_embeds
     from tfcompat.testing import tiny_model
 
-    model = tiny_model(family, hidden_size=hidden, num_attention_heads=hidden // 32,
-                       vision_config=dict(out_hidden_size=hidden, hidden_size=32 if family != "qwen2_vl" else hidden))
+    # the tiny vision tower's output width follows the text hidden size (tfcompat.testing)
+    model = tiny_model(family, hidden_size=hidden, num_attention_heads=hidden // 32)
     model.train()
     ids = torch.randint(10, 240, (1, tokens))
     torch.set_grad_enabled(True)
