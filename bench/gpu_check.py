@@ -66,7 +66,7 @@ def main():
     try:
         for check in ("rope.native.fp32", "rope.native.bf16", "attention.packed"):
             fn = {c: f for c, f, _ in _checks.CHECKS}[check]
-            res = _checks._result("qwen2_vl", check, lambda: fn("qwen2_vl"), None)
+            res = _checks._result("qwen2_vl", check, lambda fn=fn: fn("qwen2_vl"), None)
             failures += not res["passed"]
             print(f"[{'ok' if res['passed'] else 'FAIL'}] qwen2_vl {check} on CUDA: max|diff| "
                   f"{res['max_abs_diff']:.3g} (tol {res['tolerance']:.2g}) {res['error'] or ''}")

@@ -13,9 +13,9 @@ import time
 
 import torch
 
+from tfcompat import _resolve
 from tfcompat.config import text_config
 from tfcompat.rope import apply_rope, apply_rope_
-from tfcompat import _resolve
 from tfcompat.testing import tiny_config
 
 SHAPES = {

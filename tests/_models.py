@@ -4,7 +4,7 @@ import inspect
 
 import torch
 
-from tfcompat._families import FAMILIES, family
+from tfcompat._families import family
 from tfcompat.embeds import mm_token_type_ids, rope_index
 from tfcompat.testing import tiny_model, tiny_pixels, tiny_sequence
 

@@ -79,7 +79,8 @@ def test_bad_vision_inputs(name):
     short = torch.tensor([short[:3] + [cfg.image_token_id] * 3 + short[3:]])
     with pytest.raises(EmbedsError, match=r"input_ids hold 3 image tokens but the vision tower returned 4 image"):
         get_input_embeds(model, short, **pixels)
-    with pytest.raises(EmbedsError, match=r"image_grid_thw describes 64 patches \(\[\[1, 8, 8\]\]\) but pixel_values has 16 rows"):
+    with pytest.raises(EmbedsError,
+                       match=r"image_grid_thw describes 64 patches \(\[\[1, 8, 8\]\]\) but pixel_values has 16 rows"):
         get_input_embeds(model, ids, pixel_values=pixels["pixel_values"], image_grid_thw=torch.tensor([[1, 8, 8]]))
     with pytest.raises(EmbedsError, match="hold 4 image tokens but no pixel_values"):
         get_input_embeds(model, ids)

@@ -31,7 +31,8 @@ def test_error_family():
 
 def test_unknown_model_type():
     q = torch.zeros(1, 1, 1, 8)
-    with pytest.raises(UnsupportedTransformersError, match=r"does not cover model_type 'gpt2'; supported families: .*glm4v"):
+    with pytest.raises(UnsupportedTransformersError,
+                       match=r"does not cover model_type 'gpt2'; supported families: .*glm4v"):
         apply_rope(q, q, torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), model_type="gpt2")
 
 
@@ -77,7 +78,8 @@ def test_family_missing_from_this_release_names_the_version():
     missing = [n for n in SPECS if n not in FAMILIES]
     if not missing:
         pytest.skip("every family ships with this release")
-    with pytest.raises(UnsupportedTransformersError, match=rf"transformers {transformers_version()} has no .*first ships"):
+    with pytest.raises(UnsupportedTransformersError,
+                       match=rf"transformers {transformers_version()} has no .*first ships"):
         _resolve.resolve("rope.apply", missing[0])
 
 

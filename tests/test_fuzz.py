@@ -282,7 +282,7 @@ def test_fuzz_pack_unpack(rows, hole, shift):
     width = max(n + p for n, p, _ in rows) or 1
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
-    for i, (n, pad, left) in enumerate(rows):
+    for i, (n, _pad, left) in enumerate(rows):
         start = width - n if left else 0
         mask[i, start:start + n] = 1
         ids[i, start:start + n] = torch.arange(3, 3 + n)

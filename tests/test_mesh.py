@@ -88,7 +88,7 @@ def _mesh_case(rank, world, name):
     for n, p in model.named_parameters():
         full = p.detach().full_tensor()
         scale = max(1.0, want[n].abs().max().item())
-        torch.testing.assert_close(full, want[n], rtol=1e-4, atol=2e-5 * scale, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(full, want[n], rtol=1e-4, atol=2e-5 * scale, msg=lambda m, n=n: f"{n}: {m}")
 
 
 def _cases(rank, world):

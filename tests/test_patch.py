@@ -63,7 +63,8 @@ def test_packed_patched_equals_padded_unpatched(name, case):
 
     pk = pack(ids, mask, three_d_positions(model, ids, mask, pixels), vision=SPECS[name].vision)
     record = tfcompat.patch(model)
-    assert record.attention_modules == model.config.get_text_config().num_hidden_layers - record.linear_attention_modules
+    layers = model.config.get_text_config().num_hidden_layers
+    assert record.attention_modules == layers - record.linear_attention_modules
     out = _run(model, None, mask, input_ids=pk.input_ids, position_ids=pk.position_ids,
                **forward_kwargs(model, pk.input_ids, **pixels))
     logits = unpack(out, pk)

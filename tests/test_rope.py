@@ -53,7 +53,8 @@ def test_apply_rope_matches_upstream_forward_and_backward(name, dtype, batch, se
         got = _grads(fn, q, k, gq, gk)
         for label, w, h in zip(("q", "k", "dq", "dk"), want, got):
             assert h.dtype == w.dtype and h.shape == w.shape, (impl, label)
-            torch.testing.assert_close(h, w, **TOL[dtype], msg=lambda m: f"{name} {impl} {label}: {m}")
+            where = f"{name} {impl} {label}"
+            torch.testing.assert_close(h, w, **TOL[dtype], msg=lambda m, where=where: f"{where}: {m}")
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -154,7 +155,6 @@ def test_inplace_on_projection_views_backpropagates_into_weights(name):
 @pytest.mark.parametrize("name", [n for n in ("qwen2_vl", "glm4v", "qwen3_vl") if n in FAMILIES])
 def test_torch_compile_fullgraph(name):
     import tfcompat
-    from tfcompat.errors import TfcompatError
     from tfcompat.rope import prepare
 
     config, cos, sin, q, k, g = _inputs(name, 1, 9, torch.float32, 1, seed=6)

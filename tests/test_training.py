@@ -55,7 +55,10 @@ def _checkpoint(model, how):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": how == "hf_reentrant"})
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
 
     impl = CheckpointImpl.REENTRANT if how.endswith("_reentrant") and "non" not in how else CheckpointImpl.NO_REENTRANT
     layers = {id(m) for m in model.modules() if any(c in ("self_attn", "linear_attn") for c, _ in m.named_children())}
@@ -281,9 +284,7 @@ def test_text_only_batch_reaches_every_vision_weight(name):
 @pytest.mark.parametrize("name", VISION)
 def test_dummy_visual_does_not_overflow_in_half_precision(name):
     """Large finite vision features in fp16: weighting before summing keeps inf * 0 = NaN out of the loss."""
-    from tfcompat.embeds import dummy_visual_zero
-
-    from tfcompat.embeds import _vl_model
+    from tfcompat.embeds import _vl_model, dummy_visual_zero
 
     model = tiny_model(name).to(torch.float16)
 

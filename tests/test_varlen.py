@@ -79,4 +79,5 @@ def test_pack_and_unpack_round_trip_with_left_padding():
     assert torch.equal(back, (ids * mask).float())
     pos3 = torch.arange(4).view(1, 1, 4).expand(3, 2, 4)
     four = pack(ids, mask, pos3).position_ids
-    assert four.shape == (4, 1, 6) and four[0, 0].tolist() == [0, 1, 0, 1, 2, 3] and four[1, 0].tolist() == [2, 3, 0, 1, 2, 3]
+    assert four.shape == (4, 1, 6)
+    assert four[0, 0].tolist() == [0, 1, 0, 1, 2, 3] and four[1, 0].tolist() == [2, 3, 0, 1, 2, 3]

@@ -5,26 +5,30 @@ patches nothing. Public modules: :mod:`.rope`, :mod:`.config`, :mod:`.errors`,
 :mod:`.version`, :mod:`.testing`.
 """
 
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "report", "clear_cache", "patch", "unpatch"]
 
 
-def report(families=None):
+def report(families: Optional[Iterable[str]] = None) -> list:
     """Every resolver decision for the installed transformers (see :class:`Resolution`)."""
     from . import _resolve
 
     return _resolve.report(families)
 
 
-def clear_cache():
+def clear_cache() -> None:
     """Forget every cached resolution (for tests)."""
     from . import _resolve
 
     _resolve.clear_cache()
 
 
-def patch(model, *, remove_padding=True, ulysses_group=None, dummy_visual=True):
+def patch(model: Any, *, remove_padding: bool = True, ulysses_group: Any = None, dummy_visual: bool = True) -> Any:
     """Patch a model instance for packed sequences, Ulysses and the dummy visual forward
     (see :func:`tfcompat._patch.patch`)."""
     from . import _patch
@@ -32,7 +36,7 @@ def patch(model, *, remove_padding=True, ulysses_group=None, dummy_visual=True):
     return _patch.patch(model, remove_padding=remove_padding, ulysses_group=ulysses_group, dummy_visual=dummy_visual)
 
 
-def unpatch(model):
+def unpatch(model: Any) -> bool:
     """Restore a model patched by :func:`patch`."""
     from . import _patch
 

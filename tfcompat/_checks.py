@@ -130,7 +130,8 @@ def _packed_vs_padded(name):
     (ref * weights * mask[..., None]).sum().backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    pos = rope_index(model, ids, image_grid_thw=pixels.get("image_grid_thw"), attention_mask=mask)[0] if vision else None
+    grid = pixels.get("image_grid_thw")
+    pos = rope_index(model, ids, image_grid_thw=grid, attention_mask=mask)[0] if vision else None
     pk = pack(ids, mask, pos, vision=vision)
     _patch.patch(model)
     try:
@@ -226,4 +227,4 @@ def run_family(name, tolerance=None):
     for check, fn, applies in CHECKS:
         if not applies(fam):
             continue
-        yield _result(name, check, lambda: fn(name), tolerance)
+        yield _result(name, check, lambda fn=fn: fn(name), tolerance)

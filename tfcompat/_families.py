@@ -6,9 +6,9 @@ release; nothing here imports transformers.
 """
 
 import dataclasses
+from typing import Optional, Union
 
 from .errors import UnsupportedTransformersError
-
 
 PROBE_ONLY = "probe-only"
 
@@ -29,10 +29,10 @@ class Family:
     mrope: str = "none"
     #: mrope_section the modeling code falls back to when the config has none (None: no default;
     #: PROBE_ONLY: it changed between releases, so only the probe can tell and a failed probe is an error)
-    default_mrope_section: tuple = None
+    default_mrope_section: Union[tuple, str, None] = None
     #: partial_rotary_factor the 5.x rotary module honours (4.x: every model reads the attribute);
     #: PROBE_ONLY where it changed between releases
-    reads_partial_rotary: bool = False
+    reads_partial_rotary: Union[bool, str] = False
     #: model_type strings of the text config (and odd spellings seen in the wild)
     aliases: tuple = ()
     #: first transformers release that ships the model folder
@@ -60,8 +60,8 @@ class Family:
     tiny_text: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
     #: the RoPE dict of the tiny config (mrope_section is added from tiny_section)
     tiny_rope: dict = dataclasses.field(default_factory=lambda: {"rope_type": "default"}, compare=False, hash=False)
-    tiny_section: tuple = None
-    tiny_partial: float = None
+    tiny_section: Optional[tuple] = None
+    tiny_partial: Optional[float] = None
     #: vision settings on top of the common tiny ones; the value TEXT_HIDDEN is the text hidden size
     tiny_vision: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
 

@@ -27,15 +27,21 @@ Fail closed: a packed row (or any Ulysses step) either runs the patched path or 
 :class:`~tfcompat.errors.TfcompatError`; nothing that could be packed is handed to upstream.
 """
 
+from __future__ import annotations
+
 import copy
 import dataclasses
 import inspect
 import threading
+from typing import TYPE_CHECKING, Any
 
 from . import _resolve
 from . import packing as _packing
 from ._families import family as _family
 from .errors import PackingError, TfcompatError, UlyssesError, UnsupportedTransformersError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["patch", "unpatch", "PatchRecord"]
 
@@ -150,7 +156,7 @@ def _original(module, state, *args, **kwargs):
     return type(module).forward(module, *args, **kwargs)
 
 
-_SIGNATURES = {}
+_SIGNATURES: dict = {}
 
 
 def _signature(cls):
@@ -598,7 +604,8 @@ def _linear_forward(self, hidden_states, *args, **kwargs):
     return torch.cat(outs, dim=1)
 
 
-_FORWARDS = {"vl+top": _vl_top_forward, "vl": _vl_forward, "top": _top_forward, "text": _text_model_forward, "rotary": _rotary_forward, "layer": _layer_forward,
+_FORWARDS = {"vl+top": _vl_top_forward, "vl": _vl_forward, "top": _top_forward, "text": _text_model_forward,
+             "rotary": _rotary_forward, "layer": _layer_forward,
              "attention": _attention_forward, "linear": _linear_forward}
 
 
@@ -628,7 +635,8 @@ def _patched_as(module):
     return None
 
 
-def patch(model, *, remove_padding=True, ulysses_group=None, dummy_visual=True):
+def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group: Any = None,
+          dummy_visual: bool = True) -> PatchRecord:
     """Patch a loaded GLM/Qwen model instance for packed sequences and Ulysses sequence parallelism.
 
     Args:
@@ -738,7 +746,7 @@ def patch(model, *, remove_padding=True, ulysses_group=None, dummy_visual=True):
     return record
 
 
-def unpatch(model):
+def unpatch(model: torch.nn.Module) -> bool:
     """Undo :func:`patch`: every patched module below ``model`` gets its original forward back.
 
     Returns True if anything was patched.

@@ -17,9 +17,11 @@ import inspect
 import re
 import sys
 import threading
+from typing import Optional
 
 from . import version as _version
-from ._families import FAMILIES, PROBE_ONLY, family as _family
+from ._families import FAMILIES, PROBE_ONLY
+from ._families import family as _family
 from .errors import TfcompatError, UnsupportedTransformersError
 
 __all__ = ["Resolution", "resolve", "report", "clear_cache", "installed_families"]
@@ -90,11 +92,11 @@ class RopeInitPlan:
     #: whether the default init honours partial_rotary_factor
     reads_partial_rotary: bool
     #: mrope_section the rotary module falls back to (None: no fallback)
-    default_mrope_section: tuple = None
+    default_mrope_section: Optional[tuple] = None
 
 
 _lock = threading.RLock()
-_cache = {}
+_cache: dict = {}
 
 
 def clear_cache():
@@ -203,7 +205,9 @@ def _resolve_rope_apply(fam, capability):
         # from 5.17 the rotary module emits the interleaved layout (transformers matrix §2b).
         gptj_cos = _probe(capability, "the GPT-J cos layout", fn,
                           lambda b: "half" if "repeat_interleave" in b else "pairs")
-        reason += f"; GPT-J pairs, cos {'halved and repeat-interleaved by the attention' if gptj_cos == 'half' else 'already interleaved by the rotary module'}"
+        layout = ("halved and repeat-interleaved by the attention" if gptj_cos == "half" else
+                  "already interleaved by the rotary module")
+        reason += f"; GPT-J pairs, cos {layout}"
     plan = RopePlan(rotation=rotation, cos_rows=rows, gptj_cos=gptj_cos, mrope=fam.mrope, single=single)
     return Resolution(capability, name, f"{module.__name__}.{name}", reason,
                       str(_version.transformers_version()), plan, fn)

@@ -11,8 +11,11 @@ Nothing here writes to a config.
 .. versionadded:: 0.1.0
 """
 
+from __future__ import annotations
+
 import dataclasses
 import types
+from typing import Any, Optional
 
 from . import _resolve
 from ._families import family as _family
@@ -38,12 +41,12 @@ class RopeParameters:
     head_dim: int
     rotary_dim: int
     partial_rotary_factor: float
-    mrope_section: tuple = None
+    mrope_section: Optional[tuple] = None
     mrope_interleaved: bool = False
     scaling: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
 
 
-def text_config(config):
+def text_config(config: Any) -> Any:
     """The text config of a vision-language config, or ``config`` itself for text models.
 
     Flat Qwen2-VL configs (transformers < 4.52) have no ``text_config`` and are returned as is.
@@ -77,7 +80,7 @@ def _rope_dict(cfg, key):
     return raw, key
 
 
-def rope_parameters(config, *, model_type=None):
+def rope_parameters(config: Any, *, model_type: Optional[str] = None) -> RopeParameters:
     """The :class:`RopeParameters` of ``config`` (top-level or text config) on the installed release.
 
     >>> rp = rope_parameters(model.config)            # doctest: +SKIP

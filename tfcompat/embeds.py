@@ -14,12 +14,18 @@
 .. versionadded:: 0.1.0
 """
 
+from __future__ import annotations
+
 import dataclasses
 import functools
 import inspect
+from typing import TYPE_CHECKING, Any, Optional
 
 from ._families import family as _family
 from .errors import EmbedsError, UnsupportedTransformersError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["EmbedsResult", "EmbedsError", "unpack_visual_output", "get_input_embeds", "rope_index",
            "mm_token_type_ids", "dummy_visual_inputs", "dummy_visual_zero"]
@@ -33,7 +39,7 @@ class EmbedsResult:
 
     inputs_embeds: object
     visual_pos_masks: object = None
-    deepstack_visual_embeds: list = None
+    deepstack_visual_embeds: Optional[list] = None
     used_dummy: bool = False
 
 
@@ -45,7 +51,7 @@ def _cat(x):
     return x
 
 
-def unpack_visual_output(output):
+def unpack_visual_output(output: Any) -> tuple[torch.Tensor, Optional[list]]:
     """``(embeds, deepstack)`` from any vision output.
 
     Accepts a tensor (4.x Qwen2-VL / GLM-4V towers), the 4.x Qwen3-VL tuple
@@ -110,7 +116,7 @@ def _video_segments(input_ids, start_id, end_id):
     return starts > ends
 
 
-def mm_token_type_ids(config_or_model, input_ids):
+def mm_token_type_ids(config_or_model: Any, input_ids: torch.Tensor) -> torch.Tensor:
     """0 for text, 1 for image tokens, 2 for video tokens (GLM marks video frames with image tokens
     between its video start/end tokens), as the 5.3+ processors produce them.
 
@@ -138,13 +144,14 @@ def _masks(model, input_ids):
     return types == 1, types == 2
 
 
-def dummy_visual_inputs(model):
+def dummy_visual_inputs(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """The smallest valid (pixel_values, grid_thw) for the model's vision tower: one image of
     ``merge x merge`` patches (one merged token)."""
     import torch
 
-    owner = _vl_model(model)
-    vc = owner.config.vision_config if hasattr(owner.config, "vision_config") else model.config.vision_config
+    owner: Any = _vl_model(model)
+    config: Any = owner.config if hasattr(owner.config, "vision_config") else model.config
+    vc = config.vision_config
     m = vc.spatial_merge_size
     patch_dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
     param = next(owner.visual.parameters())
@@ -153,7 +160,7 @@ def dummy_visual_inputs(model):
     return pixels, grid
 
 
-def dummy_visual_zero(model):
+def dummy_visual_zero(model: torch.nn.Module) -> torch.Tensor:
     """A zero-valued fp32 scalar that depends on every vision weight: the vision tower on
     :func:`dummy_visual_inputs`, every output (deepstack included) weighted by 0 before summing.
 
@@ -171,8 +178,9 @@ def dummy_visual_zero(model):
     return zero
 
 
-def get_input_embeds(model, input_ids, *, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
-                     video_grid_thw=None):
+def get_input_embeds(model: torch.nn.Module, input_ids: torch.Tensor, *, pixel_values: Optional[torch.Tensor] = None,
+                     image_grid_thw: Optional[torch.Tensor] = None, pixel_values_videos: Optional[torch.Tensor] = None,
+                     video_grid_thw: Optional[torch.Tensor] = None) -> EmbedsResult:
     """Token embeddings with vision features merged in, as the installed model's forward builds them.
 
     Args:
@@ -189,11 +197,11 @@ def get_input_embeds(model, input_ids, *, pixel_values=None, image_grid_thw=None
         EmbedsError: placeholder token counts that differ from the feature counts, grids that do not
         match the pixels.
     """
-    import torch
 
     owner = _vl_model(model)
     fam = _family(model.config)
-    embeds = model.get_input_embeddings()(input_ids)
+    get_embeddings: Any = model.get_input_embeddings  # a PreTrainedModel method; nn.Module does not declare it
+    embeds = get_embeddings()(input_ids)
     image_mask, video_mask = _masks(model, input_ids)
     deep_parts = {}
     for kind, pixels, grid, mask in (("image", pixel_values, image_grid_thw, image_mask),
@@ -233,7 +241,6 @@ def get_input_embeds(model, input_ids, *, pixel_values=None, image_grid_thw=None
 
 
 def _deepstack(parts):
-    import torch
 
     if len(parts) == 1:
         (mask, deep), = parts.values()
@@ -295,8 +302,9 @@ def _rope_index_method(config_or_model):
             shell.config = config
             shell.rope_deltas = None
             return cls.get_rope_index.__get__(shell), config
-    raise UnsupportedTransformersError(f"rope_index: transformers {_resolve._version.transformers_version()} has "
-                                       f"no get_rope_index on {fam.prefix}Model or {fam.prefix}ForConditionalGeneration")
+    raise UnsupportedTransformersError(
+        f"rope_index: transformers {_resolve._version.transformers_version()} has no get_rope_index on "
+        f"{fam.prefix}Model or {fam.prefix}ForConditionalGeneration")
 
 
 def _check_grids(config, input_ids, types, image_grid_thw, video_grid_thw, attention_mask):
@@ -334,8 +342,10 @@ def _check_grids(config, input_ids, types, image_grid_thw, video_grid_thw, atten
                               f"describes {want} (t * h * w / {merge}^2 each); the text and the grids do not match")
 
 
-def rope_index(config_or_model, input_ids, *, image_grid_thw=None, video_grid_thw=None, second_per_grid_ts=None,
-               attention_mask=None, mm_token_type_ids=None, **kwargs):
+def rope_index(config_or_model: Any, input_ids: torch.Tensor, *, image_grid_thw: Optional[torch.Tensor] = None,
+               video_grid_thw: Optional[torch.Tensor] = None, second_per_grid_ts: Optional[torch.Tensor] = None,
+               attention_mask: Optional[torch.Tensor] = None, mm_token_type_ids: Optional[torch.Tensor] = None,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``(position_ids (3, batch, seq), rope_deltas (batch, 1))`` exactly as the installed model's own
     ``get_rope_index`` computes them.
 

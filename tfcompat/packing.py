@@ -15,9 +15,12 @@ directly, for callers that build their own layouts.
 .. versionadded:: 0.1.0
 """
 
+from __future__ import annotations
+
 import contextlib
 import dataclasses
 import threading
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -37,7 +40,8 @@ class PackedBatch:
     seq_len: int
 
 
-def pack(input_ids, attention_mask, position_ids=None, *, vision=None, config=None):
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: Optional[torch.Tensor] = None, *,
+         vision: Optional[bool] = None, config: Any = None) -> PackedBatch:
     """Pack the tokens where ``attention_mask`` is 1.
 
     Args:
@@ -132,7 +136,7 @@ def _check_pack(input_ids, attention_mask, position_ids, vision):
     return mask
 
 
-def unpack(x, packed):
+def unpack(x: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
     """(1, total, ...) -> (batch, seq, ...), zeros at padding."""
     total = packed.indices.numel()
     if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] != 1 or x.shape[1] != total:
@@ -148,14 +152,14 @@ def unpack(x, packed):
 _state = threading.local()
 
 
-def current():
+def current() -> Any:
     """The innermost active ``(cu_seqlens, max_seqlen)``, or None."""
     stack = getattr(_state, "stack", None)
     return stack[-1] if stack else None
 
 
 @contextlib.contextmanager
-def packed(cu_seqlens, max_seqlen=None):
+def packed(cu_seqlens: torch.Tensor, max_seqlen: Optional[int] = None) -> Iterator[Any]:
     """Within the block, patched attention uses these boundaries (int32 (num_seqs + 1,))."""
     from .varlen import check_cu_seqlens
 

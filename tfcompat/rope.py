@@ -23,18 +23,24 @@ inverse rotation), ``"upstream"`` (the installed transformers' own function),
 .. versionadded:: 0.1.0
 """
 
+from __future__ import annotations
+
 import os
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from . import _resolve
 from ._families import family as _family
 from .errors import ConfigError, RopeShapeError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["apply_rope", "apply_rope_", "prepare", "IMPLS"]
 
 IMPLS = ("auto", "native", "upstream")
 
 
-def prepare(config_or_model_type):
+def prepare(config_or_model_type: Any) -> _resolve.Resolution:
     """Resolve everything apply_rope needs for a family now, e.g. before ``torch.compile``.
 
     Returns the :class:`Resolution` of ``rope.apply`` for the family.
@@ -159,7 +165,8 @@ def _native(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace):
         width = cos.shape[-1]
         if width != q.shape[-1] or width != k.shape[-1]:
             raise RopeShapeError(f"apply_rope for {fam.name}: the interleaved (MLA) rotary rotates the whole head, "
-                                 f"so cos width {width} must equal q's and k's head_dim ({q.shape[-1]}, {k.shape[-1]}); "
+                                 f"so cos width {width} must equal q's and k's head_dim "
+                                 f"({q.shape[-1]}, {k.shape[-1]}); "
                                  f"pass the rotary part of q and k (qk_rope_head_dim)")
         q, k = kernels.deinterleave(q, inplace), kernels.deinterleave(k, inplace)
         rotation = "neox"
@@ -179,7 +186,9 @@ def _native(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace):
             kernels.rotate(k, cos, sin, trig, seq_dim, inplace=inplace))
 
 
-def apply_rope(q, k, cos, sin, *, config=None, model_type=None, mrope_section=None, unsqueeze_dim=1, impl=None):
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, config: Any = None,
+               model_type: Optional[str] = None, mrope_section: Optional[Sequence[int]] = None, unsqueeze_dim: int = 1,
+               impl: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k as the installed transformers' attention for this model does.
 
     Args:
@@ -201,7 +210,7 @@ def apply_rope(q, k, cos, sin, *, config=None, model_type=None, mrope_section=No
     section = _section(fam, config, mrope_section, res.plan, cos) if res.plan.cos_rows == 3 else None
     if _impl(impl) == "upstream":
         if res.plan.cos_rows == 3:
-            return res.target(q, k, cos, sin, list(section), unsqueeze_dim=unsqueeze_dim)
+            return res.target(q, k, cos, sin, list(section or ()), unsqueeze_dim=unsqueeze_dim)
         if res.plan.single:
             return (res.target(q, cos, sin, unsqueeze_dim=unsqueeze_dim),
                     res.target(k, cos, sin, unsqueeze_dim=unsqueeze_dim))
@@ -209,7 +218,9 @@ def apply_rope(q, k, cos, sin, *, config=None, model_type=None, mrope_section=No
     return _native(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace=False)
 
 
-def apply_rope_(q, k, cos, sin, *, config=None, model_type=None, mrope_section=None, unsqueeze_dim=1):
+def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, config: Any = None,
+                model_type: Optional[str] = None, mrope_section: Optional[Sequence[int]] = None,
+                unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """In-place :func:`apply_rope` for callers that own q and k (fresh projection outputs).
 
     q and k are overwritten and returned. Autograd-correct: the backward is the inverse

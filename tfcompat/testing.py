@@ -7,11 +7,16 @@ model can be instantiated on a CPU in milliseconds. Nothing is downloaded.
 .. versionadded:: 0.1.0
 """
 
+from __future__ import annotations
+
 import copy
 import importlib
+from typing import Any
 
 from . import _resolve
-from ._families import FAMILIES as _FAMILIES, TEXT_HIDDEN, family as _family
+from ._families import FAMILIES as _FAMILIES
+from ._families import TEXT_HIDDEN
+from ._families import family as _family
 
 __all__ = ["tiny_config", "tiny_model", "tiny_sequence", "tiny_pixels", "model_class", "TINY_SECTIONS"]
 
@@ -52,7 +57,7 @@ def _vision_kwargs(fam, text_hidden):
     return kw
 
 
-def tiny_config(model_type, **overrides):
+def tiny_config(model_type: str, **overrides: Any) -> Any:
     """A tiny config of ``model_type`` for the installed transformers.
 
     ``overrides`` go to the text settings (``num_hidden_layers=1``, ...); for vision-language
@@ -82,7 +87,7 @@ def tiny_config(model_type, **overrides):
     return cls(text_config=text, vision_config=vision, **ids)
 
 
-def model_class(model_type):
+def model_class(model_type: str) -> type:
     """The installed transformers' LM class of a family (ForConditionalGeneration / ForCausalLM)."""
     fam = _family(model_type)
     module = importlib.import_module(fam.modeling)
@@ -92,7 +97,7 @@ def model_class(model_type):
     raise AttributeError(f"{fam.modeling} has no ForConditionalGeneration / ForCausalLM class")
 
 
-def tiny_model(model_type, seed=0, dtype=None, **overrides):
+def tiny_model(model_type: str, seed: int = 0, dtype: Any = None, **overrides: Any) -> Any:
     """A tiny random-weight model of ``model_type`` (fp32, eval mode, seeded)."""
     import torch
 
@@ -101,7 +106,8 @@ def tiny_model(model_type, seed=0, dtype=None, **overrides):
     return model.to(dtype or torch.float32).eval()
 
 
-def tiny_sequence(model_type, *, text=4, image=False, video=False, image_first=False):
+def tiny_sequence(model_type: str, *, text: int = 4, image: bool = False, video: bool = False,
+                  image_first: bool = False) -> list[int]:
     """Token ids of one sequence with an image (4x4 patches -> 4 tokens) and/or a video (2 frames
     of 4x4 patches -> 8 tokens), laid out as the family's processor lays them out."""
     fam = _family(model_type)
@@ -128,7 +134,7 @@ def tiny_sequence(model_type, *, text=4, image=False, video=False, image_first=F
     return ids
 
 
-def tiny_pixels(images=0, videos=0, seed=0):
+def tiny_pixels(images: int = 0, videos: int = 0, seed: int = 0) -> dict:
     """pixel_values / grids for ``images`` images and ``videos`` videos of :func:`tiny_sequence`."""
     import torch
 

@@ -15,6 +15,10 @@ the single-process gradient).
 .. versionadded:: 0.1.0
 """
 
+from __future__ import annotations
+
+from typing import Any, Optional
+
 import torch
 import torch.distributed as dist
 
@@ -67,17 +71,17 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None
 
 
-def gather_seq_scatter_heads(x, group=None):
+def gather_seq_scatter_heads(x: torch.Tensor, group: Any = None) -> torch.Tensor:
     """(s_local, heads, d) on each rank -> (s_local * P, heads / P, d)."""
     return _AllToAll.apply(x, group, True)
 
 
-def gather_heads_scatter_seq(x, group=None):
+def gather_heads_scatter_seq(x: torch.Tensor, group: Any = None) -> torch.Tensor:
     """(s_local * P, heads / P, d) -> (s_local, heads, d); the inverse of :func:`gather_seq_scatter_heads`."""
     return _AllToAll.apply(x, group, False)
 
 
-def repeat_kv_for_group(k, group_size):
+def repeat_kv_for_group(k: torch.Tensor, group_size: int) -> torch.Tensor:
     """Repeat kv heads (dim 1 of (s, kv_heads, d)) so they divide over ``group_size`` ranks."""
     kv = k.shape[1]
     if kv % group_size == 0:
@@ -88,11 +92,11 @@ def repeat_kv_for_group(k, group_size):
     return k.repeat_interleave(rep, dim=1)
 
 
-def padded_length(length, group_size):
+def padded_length(length: int, group_size: int) -> int:
     return -(-length // group_size) * group_size
 
 
-def slice_for_rank(x, dim=1, group=None, pad_value=0):
+def slice_for_rank(x: torch.Tensor, dim: int = 1, group: Any = None, pad_value: float = 0) -> torch.Tensor:
     """Pad ``x`` along ``dim`` to a multiple of the group size and return this rank's slice."""
     p, rank = _size(group), dist.get_rank(group)
     n = x.shape[dim]
@@ -121,13 +125,15 @@ class _Gather(torch.autograd.Function):
         return grad.narrow(ctx.dim, rank * step, step).contiguous(), None, None
 
 
-def gather_from_ranks(x, dim=1, group=None, length=None):
+def gather_from_ranks(x: torch.Tensor, dim: int = 1, group: Any = None, length: Optional[int] = None) -> torch.Tensor:
     """Concatenate every rank's slice along ``dim`` (and drop padding beyond ``length``)."""
     out = _Gather.apply(x, dim, group)
     return out if length is None else out.narrow(dim, 0, length)
 
 
-def slice_inputs(inputs_embeds, position_ids, *, visual_pos_masks=None, deepstack_visual_embeds=None, group=None):
+def slice_inputs(inputs_embeds: torch.Tensor, position_ids: torch.Tensor, *,
+                 visual_pos_masks: Optional[torch.Tensor] = None, deepstack_visual_embeds: Optional[list] = None,
+                 group: Any = None) -> Any:
     """This rank's share of a packed row, for the text decoder stack of a patched model.
 
     Args:
@@ -142,7 +148,7 @@ def slice_inputs(inputs_embeds, position_ids, *, visual_pos_masks=None, deepstac
         pass as keyword arguments to the text model. Gradients flow back to the full tensors.
     """
     rank = dist.get_rank(group)
-    out = {
+    out: dict[str, Any] = {
         "inputs_embeds": slice_for_rank(inputs_embeds, dim=1, group=group),
         "position_ids": slice_for_rank(position_ids, dim=position_ids.dim() - 1, group=group),
     }

@@ -12,7 +12,10 @@ the same numbers (:func:`backend` says which; ``tfcompat report`` lists it).
 .. versionadded:: 0.1.0
 """
 
+from __future__ import annotations
+
 import functools
+from typing import Optional
 
 import torch
 
@@ -22,7 +25,7 @@ __all__ = ["PackingError", "cu_seqlens_from_position_ids", "check_cu_seqlens", "
            "flash_attn_available", "backend"]
 
 
-def check_cu_seqlens(cu_seqlens, total, what="cu_seqlens"):
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, what: str = "cu_seqlens") -> tuple[int, ...]:
     """Validate packed-sequence boundaries and return them as a tuple of Python ints (one host sync).
 
     ``cu_seqlens`` must be a 1-D integer tensor that starts at 0, strictly increases, and ends at
@@ -45,7 +48,7 @@ def check_cu_seqlens(cu_seqlens, total, what="cu_seqlens"):
     return bounds
 
 
-def cu_seqlens_from_position_ids(position_ids):
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Sequence boundaries of a packed row from its text position ids.
 
     Args:
@@ -108,7 +111,7 @@ def _torch_varlen():
     return varlen_attn
 
 
-def backend(tensor=None, dropout_p=0.0):
+def backend(tensor: Optional[torch.Tensor] = None, dropout_p: float = 0.0) -> str:
     """Which kernel ``varlen_attention`` runs for ``tensor`` (None: for a CUDA bf16 tensor).
 
     "flash_attn": flash-attn's ``flash_attn_varlen_func`` (importable, CUDA, fp16/bf16);
@@ -123,7 +126,7 @@ def backend(tensor=None, dropout_p=0.0):
     return "sdpa"
 
 
-def flash_attn_available(tensor=None):
+def flash_attn_available(tensor: Optional[torch.Tensor] = None) -> bool:
     """True when flash-attn's varlen kernel can run (importable, and ``tensor`` on CUDA in fp16/bf16)."""
     if _flash_varlen() is None:
         return False
@@ -152,8 +155,9 @@ def _check(q, k, v, cu_seqlens):
     return check_cu_seqlens(cu_seqlens, q.shape[0], "varlen_attention: cu_seqlens")
 
 
-def varlen_attention(q, k, v, cu_seqlens, max_seqlen=None, *, causal=True, softmax_scale=None,
-                     window=None, dropout_p=0.0):
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     max_seqlen: Optional[int] = None, *, causal: bool = True, softmax_scale: Optional[float] = None,
+                     window: Optional[int] = None, dropout_p: float = 0.0) -> torch.Tensor:
     """Attention inside each packed sequence.
 
     Args:

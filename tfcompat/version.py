@@ -6,7 +6,10 @@ already carry the new API). Comparisons use :class:`packaging.version.Version`,
 never strings.
 """
 
+from __future__ import annotations
+
 import functools
+from typing import Optional
 
 from packaging.version import InvalidVersion, Version
 
@@ -37,7 +40,7 @@ def _normalize(version):
 
 
 @functools.lru_cache(maxsize=None)
-def transformers_version():
+def transformers_version() -> Version:
     """The installed transformers as a normalized :class:`~packaging.version.Version`.
 
     Raises :class:`~tfcompat.errors.UnsupportedTransformersError` when transformers
@@ -55,7 +58,7 @@ def transformers_version():
     return _normalize(raw)
 
 
-def is_transformers_version_in_range(min_version=None, max_version=None):
+def is_transformers_version_in_range(min_version: Optional[str] = None, max_version: Optional[str] = None) -> bool:
     """True if the installed transformers lies in ``[min_version, max_version]`` (both inclusive).
 
     Either bound may be None (open). Pre-releases count as their release:
@@ -69,7 +72,7 @@ def is_transformers_version_in_range(min_version=None, max_version=None):
     return True
 
 
-def require_supported_transformers(what="tfcompat"):
+def require_supported_transformers(what: str = "tfcompat") -> Version:
     """Raise :class:`UnsupportedTransformersError` if the installed release is too old."""
     installed = transformers_version()
     if installed < Version(MIN_TRANSFORMERS):
