@@ -2,8 +2,9 @@
 
     python tools/support_matrix.py .tox/reports > matrix.md
 
-A cell is "yes" when every capability of that family resolved on that release, "-" when the
-release does not ship the family, and "no" when something failed to resolve.
+A cell is "yes" when every capability of that family resolved on that release, "rope" when it resolved
+and tfcompat.patch refuses the family (the family table says why), "-" when the release does not ship
+the family, and "no" when something failed to resolve.
 """
 
 import json
@@ -11,6 +12,12 @@ import pathlib
 import sys
 
 from packaging.version import Version
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from tfcompat._families import FAMILIES  # noqa: E402  (the checkout's own table, not an installed copy)
+
+#: families whose attention tfcompat.patch refuses (the reason is in the family table)
+REFUSED = {name for name, fam in FAMILIES.items() if fam.patch_refusal}
 
 
 def main(folder):
@@ -25,6 +32,8 @@ def main(folder):
     families = []
     for d in docs:
         for r in d["resolutions"]:
+            if ":" not in r["capability"]:  # not per family (varlen.backend)
+                continue
             fam = r["capability"].split(":")[1]
             if fam not in families:
                 families.append(fam)
@@ -34,7 +43,8 @@ def main(folder):
         cells = []
         for d in docs:
             mine = [r for r in d["resolutions"] if r["capability"].endswith(":" + fam)]
-            cells.append("-" if not mine else "yes" if all(r["impl"] != "unsupported" for r in mine) else "no")
+            ok = all(r["impl"] != "unsupported" for r in mine)
+            cells.append("-" if not mine else "no" if not ok else "rope" if fam in REFUSED else "yes")
         print(f"| {fam} | " + " | ".join(cells) + " |")
 
 
