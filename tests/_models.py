@@ -24,9 +24,17 @@ def padded(rows):
 def forward_kwargs(model, ids, **extra):
     """Add mm_token_type_ids where this release's forward takes it (required with pixels from 5.3)."""
     kw = dict(extra)
-    if family(model.config).vision and "mm_token_type_ids" in inspect.signature(type(model).forward).parameters:
+    params = inspect.signature(type(model).forward).parameters
+    if family(model.config).vision and "mm_token_type_ids" in params:
         kw["mm_token_type_ids"] = mm_token_type_ids(model, ids)
+    if "video_second_per_grid" in params and kw.get("video_grid_thw") is not None:
+        kw["video_second_per_grid"] = seconds(kw["video_grid_thw"])  # omni thinkers: no default for videos
     return kw
+
+
+def seconds(video_grid_thw):
+    """Seconds per temporal patch of each tiny video (what a processor returns as video_second_per_grid)."""
+    return torch.ones(video_grid_thw.shape[0])
 
 
 def text_model(model):
@@ -50,13 +58,14 @@ def capture_text_model_inputs(model, **kwargs):
 def three_d_positions(model, ids, mask, pixels):
     if not family(model.config).vision:
         return None
-    pos, _ = rope_index(model, ids, image_grid_thw=pixels.get("image_grid_thw"),
-                        video_grid_thw=pixels.get("video_grid_thw"), attention_mask=mask)
+    videos = pixels.get("video_grid_thw")
+    pos, _ = rope_index(model, ids, image_grid_thw=pixels.get("image_grid_thw"), video_grid_thw=videos,
+                        attention_mask=mask, second_per_grid_ts=None if videos is None else seconds(videos))
     return pos
 
 
-__all__ = ["run_upstream", "padded", "forward_kwargs", "capture_text_model_inputs", "three_d_positions", "tiny_model",
-           "tiny_pixels", "tiny_sequence", "text_model"]
+__all__ = ["run_upstream", "padded", "forward_kwargs", "seconds", "capture_text_model_inputs", "three_d_positions",
+           "tiny_model", "tiny_pixels", "tiny_sequence", "text_model"]
 
 
 def run_upstream(fn):

@@ -137,7 +137,10 @@ def _patched_ddp_worker(rank, world, name, mode):
         # MoE experts a batch does not route to get no gradient (upstream, every release): DDP must be told;
         # the vision tower must not need it
         moe = any("experts" in n for n, _ in model.named_parameters())
-        wrapped = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=moe)
+        # Qwen2.5-Omni's audio tower holds a weight its forward never uses (audio_bos_eos_token): DDP must be
+        # told there too, with or without tfcompat
+        unused = any("audio_bos_eos_token" in n for n, _ in model.named_parameters())
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=moe or unused)
     else:
         from torch.distributed.fsdp import fully_shard
 
@@ -150,8 +153,17 @@ def _patched_ddp_worker(rank, world, name, mode):
         if step == 0:
             assert torch.equal(loss.detach(), want.detach()), (loss.item(), want.item())
         loss.backward()
-        missing = [n for n, p in model.named_parameters() if p.grad is None and "experts" not in n]
-        assert not missing, f"no gradient on rank {rank}: {missing[:4]}"
+        # what DDP/FSDP need: the same parameters get gradients on every rank, and every tower weight
+        # does on the rank without images; a weight upstream's forward never uses (Qwen2.5-Omni's
+        # audio_bos_eos_token) gets none anywhere
+        have = sorted(n for n, p in model.named_parameters() if p.grad is not None and "experts" not in n)
+        every = [None] * world
+        dist.all_gather_object(every, have)
+        assert all(h == every[0] for h in every), f"ranks differ in which parameters get gradients: " \
+            f"{sorted(set(every[0]) ^ set(every[1]))[:4]}"
+        towers = [n for n, _ in model.named_parameters() if ".visual." in f".{n}" or "audio_tower." in n]
+        unused = [n for n in towers if n not in have and "audio_bos_eos_token" not in n]
+        assert not unused, f"tower weights without a gradient on rank {rank}: {unused[:4]}"
         opt.step()
     _assert_same_on_every_rank(model)
 

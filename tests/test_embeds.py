@@ -7,7 +7,15 @@ from tfcompat._families import FAMILIES as SPECS
 from tfcompat.embeds import EmbedsError, get_input_embeds, rope_index, unpack_visual_output
 
 from _helpers import installed
-from _models import capture_text_model_inputs, forward_kwargs, run_upstream, tiny_model, tiny_pixels, tiny_sequence
+from _models import (
+    capture_text_model_inputs,
+    forward_kwargs,
+    run_upstream,
+    seconds,
+    tiny_model,
+    tiny_pixels,
+    tiny_sequence,
+)
 
 VISION = [n for n in installed() if SPECS[n].vision]
 CASES = {"image": (1, 0), "video": (0, 1), "both": (1, 1), "neither": (0, 0)}
@@ -38,8 +46,10 @@ def test_get_input_embeds_equals_the_model_forward(name, case):
             assert torch.equal(a, b)
     else:
         assert got.deepstack_visual_embeds is None
-    pos, deltas = rope_index(model, ids, image_grid_thw=pixels.get("image_grid_thw"),
-                             video_grid_thw=pixels.get("video_grid_thw"), attention_mask=torch.ones_like(ids))
+    vgrid = pixels.get("video_grid_thw")
+    pos, deltas = rope_index(model, ids, image_grid_thw=pixels.get("image_grid_thw"), video_grid_thw=vgrid,
+                             attention_mask=torch.ones_like(ids),
+                             second_per_grid_ts=None if vgrid is None else seconds(vgrid))
     assert pos.shape == (3, 1, ids.shape[1])
     if seen.get("position_ids") is not None:
         assert torch.equal(seen["position_ids"][-3:], pos)
@@ -140,7 +150,8 @@ def test_rope_index_from_a_config_equals_the_models_forward(name, left):
     ids, mask, pixels = _vl_batch(name, left)
     seen = run_upstream(lambda: capture_text_model_inputs(model, input_ids=ids, attention_mask=mask,
                                                            **forward_kwargs(model, ids, **pixels)))
-    grids = dict(image_grid_thw=pixels["image_grid_thw"], video_grid_thw=pixels["video_grid_thw"])
+    grids = dict(image_grid_thw=pixels["image_grid_thw"], video_grid_thw=pixels["video_grid_thw"],
+                 second_per_grid_ts=seconds(pixels["video_grid_thw"]))
     got, deltas = rope_index(model.config, ids, attention_mask=mask, **grids)
     mine, my_deltas = rope_index(model, ids, attention_mask=mask, **grids)
     assert torch.equal(got, mine) and torch.equal(deltas, my_deltas)

@@ -241,11 +241,18 @@ def test_one_unpacked_sample_with_an_image_is_not_cut(name):
     with torch.no_grad():
         want = run_upstream(lambda: model(input_ids=ids, attention_mask=torch.ones_like(ids),
                                           **forward_kwargs(model, ids, **pixels)).logits)
+        try:
+            # without a mask upstream is the oracle too (Qwen2.5-Omni then positions the image as text)
+            want_nomask = model(input_ids=ids, **forward_kwargs(model, ids, **pixels)).logits
+        except Exception:
+            # 4.53-4.57 Qwen2-VL / GLM-4V cannot build the causal mask from 3-row ids without a mask; the
+            # patched model supplies a mask of ones there
+            want_nomask = want
         tfcompat.patch(model)
         got = model(input_ids=ids, attention_mask=torch.ones_like(ids), **forward_kwargs(model, ids, **pixels)).logits
         got_nomask = model(input_ids=ids, **forward_kwargs(model, ids, **pixels)).logits
     assert torch.equal(got, want)
-    _close(got_nomask, want, f"{name} one sample, no mask")
+    _close(got_nomask, want_nomask, f"{name} one sample, no mask")
 
 
 @pytest.mark.parametrize("name", VISION)

@@ -64,6 +64,8 @@ class Family:
     tiny_partial: Optional[float] = None
     #: vision settings on top of the common tiny ones; the value TEXT_HIDDEN is the text hidden size
     tiny_vision: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
+    #: further top-level settings of the tiny config (an omni thinker's audio_config)
+    tiny_top: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     @property
     def modeling(self):
@@ -92,6 +94,8 @@ _QWEN_VL_ROPE = {"type": "mrope"}  # the spelling Qwen2-VL configs use (rewritte
 _GLM_VISION = dict(image_size=16)
 _QWEN3_VISION = dict(num_position_embeddings=16, deepstack_visual_indexes=[0])
 TEXT_HIDDEN = "text hidden size"
+_AUDIO = dict(num_mel_bins=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, d_model=32,
+              max_source_positions=32, n_window=4, output_dim=TEXT_HIDDEN)
 
 _SPARSE = ("its attention selects keys per query with a learned top-k indexer (DeepSeek sparse attention); a packed "
            "varlen attention would attend to every key, so tfcompat does not patch it")
@@ -182,6 +186,12 @@ FAMILIES = {
                config_class="Qwen3_5MoeConfig", text_config_class="Qwen3_5MoeTextConfig",
                tiny_text=dict(_MOE, **_LINEAR), tiny_rope=_INTERLEAVED, tiny_section=(2, 1, 1), tiny_partial=0.25,
                tiny_vision=dict(num_position_embeddings=16)),
+        Family("qwen2_5_omni", "qwen2_5_omni", "Qwen2_5OmniThinker", "Qwen2_5OmniAttention",
+               "Qwen2_5OmniRotaryEmbedding", "neox", mrope="contiguous", default_mrope_section=PROBE_ONLY,
+               aliases=("qwen2_5_omni_thinker", "qwen2_5_omni_text"), since="4.52.0", vision=True,
+               config_class="Qwen2_5OmniThinkerConfig", text_config_class="Qwen2_5OmniTextConfig",
+               tiny_section=(4, 6, 6), tiny_vision=dict(window_size=16, fullatt_block_indexes=[1], tokens_per_second=2),
+               tiny_top=dict(audio_config=_AUDIO)),
         Family("qwen4_exp", "qwen4_exp", "Qwen4Exp", "Qwen4ExpTextAttention", "Qwen4ExpTextRotaryEmbedding", "neox",
                mrope="interleaved", default_mrope_section=(11, 11, 10), reads_partial_rotary=True,
                aliases=("qwen4_exp_text",), since="5.16.0", vision=True, video_block_per_frame=True,

@@ -327,11 +327,16 @@ def _vl_forward(self, *args, **kwargs):
 
         a["mm_token_type_ids"] = mm_token_type_ids(self.config, a["input_ids"])
         args, kwargs = (), a
-    if pixels or not state.dummy_visual or not (self.training and torch.is_grad_enabled()):
-        return _original(self, state, *args, **kwargs)
-    from .embeds import dummy_visual_zero
+    from .embeds import dummy_audio_zero, dummy_visual_zero, has_audio_tower
 
-    zero = dummy_visual_zero(self)
+    # every tower this batch does not feed runs on a dummy input (an omni thinker's audio tower on a batch
+    # with images too): DDP/FSDP need the same parameters to get gradients on every rank
+    audio = has_audio_tower(self) and a.get("input_features") is None
+    if (pixels and not audio) or not state.dummy_visual or not (self.training and torch.is_grad_enabled()):
+        return _original(self, state, *args, **kwargs)
+    zero = dummy_visual_zero(self) if not pixels else None
+    if audio:
+        zero = dummy_audio_zero(self) if zero is None else zero + dummy_audio_zero(self)
     if a.get("inputs_embeds") is not None:
         a["inputs_embeds"] = a["inputs_embeds"] + zero.to(a["inputs_embeds"].dtype)
         return _original(self, state, **a)

@@ -178,6 +178,31 @@ def dummy_visual_zero(model: torch.nn.Module) -> torch.Tensor:
     return zero
 
 
+def has_audio_tower(model: torch.nn.Module) -> bool:
+    """Whether the module owning the vision tower also owns an audio tower (omni thinkers)."""
+    return getattr(_vl_model(model), "audio_tower", None) is not None
+
+
+def dummy_audio_zero(model: torch.nn.Module) -> torch.Tensor:
+    """A zero-valued fp32 scalar that depends on every audio weight of an omni thinker: its own
+    ``get_audio_features`` on one chunk (2 * n_window mel frames) of zeros, weighted by 0.
+
+    .. versionadded:: 0.2.0
+    """
+    import torch
+
+    owner: Any = _vl_model(model)
+    cfg = owner.audio_tower.config
+    frames = 2 * int(cfg.n_window)
+    weight = next(owner.audio_tower.parameters())
+    feats = torch.zeros(1, cfg.num_mel_bins, frames, dtype=weight.dtype, device=weight.device)
+    mask = torch.ones(1, frames, dtype=torch.long, device=weight.device)
+    out = owner.get_audio_features(feats, feature_attention_mask=mask)
+    out = getattr(out, "last_hidden_state", out)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return (out.float() * 0.0).sum()
+
+
 def get_input_embeds(model: torch.nn.Module, input_ids: torch.Tensor, *, pixel_values: Optional[torch.Tensor] = None,
                      image_grid_thw: Optional[torch.Tensor] = None, pixel_values_videos: Optional[torch.Tensor] = None,
                      video_grid_thw: Optional[torch.Tensor] = None) -> EmbedsResult:
@@ -301,6 +326,9 @@ def _rope_index_method(config_or_model):
             torch.nn.Module.__init__(shell)
             shell.config = config
             shell.rope_deltas = None
+            vision = getattr(config, "vision_config", None)
+            if vision is not None and hasattr(vision, "spatial_merge_size"):
+                shell.spatial_merge_size = vision.spatial_merge_size  # omni thinkers read it from self
             return cls.get_rope_index.__get__(shell), config
     raise UnsupportedTransformersError(
         f"rope_index: transformers {_resolve._version.transformers_version()} has no get_rope_index on "
@@ -376,8 +404,17 @@ def rope_index(config_or_model: Any, input_ids: torch.Tensor, *, image_grid_thw:
 
         video_grid_thw = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)
         video_grid_thw = torch.cat((torch.ones_like(video_grid_thw[:, :1]), video_grid_thw[:, 1:]), dim=1)
+    if attention_mask is None and "audio_seqlens" in params:
+        import torch
+
+        attention_mask = torch.ones_like(input_ids)  # omni thinkers need a mask to count text-only rows
     call = dict(image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw, attention_mask=attention_mask)
-    if second_per_grid_ts is not None:
+    if "second_per_grids" in params:  # omni thinkers spell it so, and have no default for videos
+        if video_grid_thw is not None and second_per_grid_ts is None:
+            raise EmbedsError("rope_index: this family's get_rope_index needs second_per_grid_ts with videos (the "
+                              "processor's video_second_per_grid: seconds per temporal patch, one per video)")
+        call["second_per_grids"] = second_per_grid_ts
+    elif second_per_grid_ts is not None:
         call["second_per_grid_ts"] = second_per_grid_ts
     call.update(kwargs)
     if "mm_token_type_ids" in params:

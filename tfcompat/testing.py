@@ -53,8 +53,15 @@ def _text_kwargs(fam, key):
 def _vision_kwargs(fam, text_hidden):
     kw = dict(depth=2, hidden_size=32, num_heads=2, in_channels=3, patch_size=4, spatial_merge_size=2,
               temporal_patch_size=2, intermediate_size=64, out_hidden_size=text_hidden)
-    kw.update({k: text_hidden if v == TEXT_HIDDEN else copy.deepcopy(v) for k, v in fam.tiny_vision.items()})
+    kw.update(_hidden(fam.tiny_vision, text_hidden))
     return kw
+
+
+def _hidden(value, text_hidden):
+    """A copy of value with every TEXT_HIDDEN placeholder replaced by the text hidden size."""
+    if isinstance(value, dict):
+        return {k: _hidden(v, text_hidden) for k, v in value.items()}
+    return text_hidden if value == TEXT_HIDDEN else copy.deepcopy(value)
 
 
 def tiny_config(model_type: str, **overrides: Any) -> Any:
@@ -84,7 +91,8 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     if not fam.text_family and not hasattr(module, fam.text_config_class):
         # Qwen2-VL before 4.52: text settings are flat on the top-level config
         return cls(vision_config=vision, **ids, **text)
-    return cls(text_config=text, vision_config=vision, **ids)
+    top = {k: _hidden(v, text["hidden_size"]) for k, v in fam.tiny_top.items()}
+    return cls(text_config=text, vision_config=vision, **ids, **top)
 
 
 def model_class(model_type: str) -> type:
