@@ -113,7 +113,7 @@ def test_unpack_visual_output_shapes():
         unpack_visual_output({"x": a})
 
 
-@pytest.mark.parametrize("name", [n for n in VISION if SPECS[n].mrope == "interleaved"])
+@pytest.mark.parametrize("name", [n for n in VISION if SPECS[n].video_block_per_frame])
 def test_rope_index_of_multi_frame_videos(name):
     """Qwen3-VL/Qwen3.5: a (2, h, w) video grid positions like two (1, h, w) frames, on every release."""
     model = tiny_model(name)

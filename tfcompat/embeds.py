@@ -396,7 +396,7 @@ def rope_index(config_or_model: Any, input_ids: torch.Tensor, *, image_grid_thw:
     types = mm_token_type_ids if mm_token_type_ids is not None else globals()["mm_token_type_ids"](config, input_ids)
     _check_grids(config, input_ids, types, image_grid_thw, video_grid_thw, attention_mask)
     params = inspect.signature(fn).parameters
-    if video_grid_thw is not None and _family(config).mrope == "interleaved" and not _splits_frames(fn):
+    if video_grid_thw is not None and _family(config).video_block_per_frame and not _splits_frames(fn):
         # Qwen3-VL / Qwen3.5 give each video frame its own vision block; get_rope_index of 5.3.x
         # consumes one grid row per block but does not split the grid per frame (later releases
         # do it themselves): split it here, (t, h, w) -> t x (1, h, w)
@@ -421,8 +421,11 @@ def rope_index(config_or_model: Any, input_ids: torch.Tensor, *, image_grid_thw:
         call["mm_token_type_ids"] = types
     call = {k: v for k, v in call.items() if k in params or any(p.kind is p.VAR_KEYWORD for p in params.values())}
     try:
-        return fn(input_ids, **call)
+        pos, deltas = fn(input_ids, **call)
     except (IndexError, StopIteration, RuntimeError, ValueError, KeyError) as exc:
         raise EmbedsError(f"rope_index: transformers' get_rope_index rejected these inputs ({type(exc).__name__}: "
                           f"{exc}); check that the grids and placeholder tokens come from the same processor call"
                           ) from exc
+    if pos.is_floating_point() and bool((pos == pos.round()).all()):
+        pos = pos.long()  # Qwen3-Omni computes whole-number positions in float32
+    return pos, deltas
