@@ -86,4 +86,13 @@ def run_upstream(fn):
                 is_transformers_version_in_range("4.54.0", "4.54.1"):
             pytest.skip("transformers 4.54.x Qwen2-VL counts video tokens with image_token_id (upstream bug; "
                         "tfcompat.embeds is not affected)")
+        if "too many values to unpack" in str(exc) and is_transformers_version_in_range("5.0.0", "5.2.99"):
+            pytest.skip("transformers 5.0 Qwen3-Omni thinker unpacks get_video_features(...).pooler_output into two "
+                        "values and cannot take videos (upstream bug)")
+        raise
+    except RuntimeError as exc:
+        if "cannot be broadcast to indexing result" in str(exc) and \
+                is_transformers_version_in_range("4.57.0", "4.57.99"):
+            pytest.skip("transformers 4.57 Qwen3-Omni thinker hands its text model a (batch, seq, hidden) visual mask, "
+                        "which its deepstack merge cannot index (upstream bug)")
         raise

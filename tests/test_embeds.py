@@ -40,7 +40,10 @@ def test_get_input_embeds_equals_the_model_forward(name, case):
     assert torch.equal(got.inputs_embeds, seen["inputs_embeds"])
     assert got.used_dummy == (case == "neither")
     if seen.get("deepstack_visual_embeds") is not None:
-        assert torch.equal(got.visual_pos_masks, seen["visual_pos_masks"])
+        want_mask = seen["visual_pos_masks"]
+        if want_mask.dim() == 3:  # 4.57 Qwen3-Omni hands its text model the mask expanded over the hidden size
+            want_mask = want_mask.any(-1)
+        assert torch.equal(got.visual_pos_masks, want_mask)
         assert len(got.deepstack_visual_embeds) == len(seen["deepstack_visual_embeds"])
         for a, b in zip(got.deepstack_visual_embeds, seen["deepstack_visual_embeds"]):
             assert torch.equal(a, b)
