@@ -37,6 +37,17 @@ def seconds(video_grid_thw):
     return torch.ones(video_grid_thw.shape[0])
 
 
+def video_seconds(model, video_grid_thw):
+    """rope_index's second_per_grid_ts where the family's get_rope_index has no default for videos (the omni
+    thinkers); nothing elsewhere (5.3's Qwen2.5-VL get_rope_index runs out of them: upstream bug)."""
+    if video_grid_thw is None:
+        return {}
+    owner = getattr(model, "model", None)
+    fn = getattr(owner, "get_rope_index", None) or model.get_rope_index
+    return {"second_per_grid_ts": seconds(video_grid_thw)} if "second_per_grids" in inspect.signature(fn).parameters \
+        else {}
+
+
 def text_model(model):
     for m in model.modules():
         if "layers" in m._modules and "embed_tokens" in m._modules:
@@ -60,12 +71,12 @@ def three_d_positions(model, ids, mask, pixels):
         return None
     videos = pixels.get("video_grid_thw")
     pos, _ = rope_index(model, ids, image_grid_thw=pixels.get("image_grid_thw"), video_grid_thw=videos,
-                        attention_mask=mask, second_per_grid_ts=None if videos is None else seconds(videos))
+                        attention_mask=mask, **video_seconds(model, videos))
     return pos
 
 
-__all__ = ["run_upstream", "padded", "forward_kwargs", "seconds", "capture_text_model_inputs", "three_d_positions",
-           "tiny_model", "tiny_pixels", "tiny_sequence", "text_model"]
+__all__ = ["run_upstream", "padded", "forward_kwargs", "seconds", "video_seconds", "capture_text_model_inputs",
+           "three_d_positions", "tiny_model", "tiny_pixels", "tiny_sequence", "text_model"]
 
 
 def run_upstream(fn):

@@ -11,10 +11,10 @@ from _models import (
     capture_text_model_inputs,
     forward_kwargs,
     run_upstream,
-    seconds,
     tiny_model,
     tiny_pixels,
     tiny_sequence,
+    video_seconds,
 )
 
 VISION = [n for n in installed() if SPECS[n].vision]
@@ -51,8 +51,7 @@ def test_get_input_embeds_equals_the_model_forward(name, case):
         assert got.deepstack_visual_embeds is None
     vgrid = pixels.get("video_grid_thw")
     pos, deltas = rope_index(model, ids, image_grid_thw=pixels.get("image_grid_thw"), video_grid_thw=vgrid,
-                             attention_mask=torch.ones_like(ids),
-                             second_per_grid_ts=None if vgrid is None else seconds(vgrid))
+                             attention_mask=torch.ones_like(ids), **video_seconds(model, vgrid))
     assert pos.shape == (3, 1, ids.shape[1])
     if seen.get("position_ids") is not None:
         assert torch.equal(seen["position_ids"][-3:], pos)
@@ -154,7 +153,7 @@ def test_rope_index_from_a_config_equals_the_models_forward(name, left):
     seen = run_upstream(lambda: capture_text_model_inputs(model, input_ids=ids, attention_mask=mask,
                                                            **forward_kwargs(model, ids, **pixels)))
     grids = dict(image_grid_thw=pixels["image_grid_thw"], video_grid_thw=pixels["video_grid_thw"],
-                 second_per_grid_ts=seconds(pixels["video_grid_thw"]))
+                 **video_seconds(model, pixels["video_grid_thw"]))
     got, deltas = rope_index(model.config, ids, attention_mask=mask, **grids)
     mine, my_deltas = rope_index(model, ids, attention_mask=mask, **grids)
     assert torch.equal(got, mine) and torch.equal(deltas, my_deltas)

@@ -130,3 +130,20 @@ def test_probes_without_source_use_declared_facts_or_fail(monkeypatch, name):
     finally:
         monkeypatch.undo()
         tfcompat.clear_cache()
+
+
+def test_record_types_are_public_frozen_and_picklable():
+    """``from tfcompat import Resolution, PatchRecord``: the values report() and patch() return."""
+    import pickle
+
+    from tfcompat import PatchRecord, Resolution
+    from tfcompat.testing import tiny_model
+
+    res = _resolve.resolve("rope.apply", "qwen2")
+    assert type(res) is Resolution and pickle.loads(pickle.dumps(res)) == res
+    record = tfcompat.patch(tiny_model("qwen2", num_hidden_layers=1))
+    assert type(record) is PatchRecord and pickle.loads(pickle.dumps(record)) == record
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        record.family = "glm4"
+    with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
+        tfcompat.Nothing  # noqa: B018

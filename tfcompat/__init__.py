@@ -2,7 +2,8 @@
 
 Importing this package is cheap and pure: it imports neither torch nor transformers and
 patches nothing. Public modules: :mod:`.rope`, :mod:`.config`, :mod:`.errors`,
-:mod:`.version`, :mod:`.testing`.
+:mod:`.version`, :mod:`.testing`, :mod:`.packing`, :mod:`.varlen`, :mod:`.ulysses`, :mod:`.embeds`;
+the record types :class:`Resolution` and :class:`PatchRecord` are importable from the package.
 """
 
 from __future__ import annotations
@@ -11,7 +12,19 @@ from typing import Any, Iterable, Optional
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "report", "clear_cache", "patch", "unpatch"]
+__all__ = ["__version__", "report", "clear_cache", "patch", "unpatch", "Resolution", "PatchRecord"]
+
+# value types of the records report() and patch() return, importable without importing torch:
+# ``from tfcompat import Resolution, PatchRecord`` (resolved on first access)
+_LAZY = {"Resolution": "_resolve", "PatchRecord": "_patch"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def report(families: Optional[Iterable[str]] = None) -> list:

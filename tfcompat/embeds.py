@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["EmbedsResult", "EmbedsError", "unpack_visual_output", "get_input_embeds", "rope_index",
-           "mm_token_type_ids", "dummy_visual_inputs", "dummy_visual_zero"]
+           "mm_token_type_ids", "dummy_visual_inputs", "dummy_visual_zero", "has_audio_tower", "dummy_audio_zero"]
 
 
 @dataclasses.dataclass
