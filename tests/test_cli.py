@@ -42,6 +42,8 @@ def test_report_text():
     out = run("report")
     assert out.returncode == 0
     assert "transformers" in out.stdout and "rope.apply:qwen2_vl" in out.stdout
+    wide = [line for line in out.stdout.splitlines() if len(line) > 100]
+    assert not wide, f"report lines wider than 100 columns: {wide[:2]}"
 
 
 def test_check_all_families_json():

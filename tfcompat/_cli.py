@@ -64,12 +64,17 @@ def _report(args):
         print(f"supported transformers: {doc['supported_range'][0]} .. {doc['supported_range'][1]} (newer: probed)")
         if doc.get("note"):
             print("note:", doc["note"])
-        rows = [("capability", "impl", "source", "reason")]
+        # one block per decision, at most 100 columns: capability and choice, then the reason wrapped
+        import textwrap
+
         for r in doc["resolutions"]:
-            rows.append((r["capability"], r["impl"], r["source"], r["reason"]))
-        widths = [max(len(row[i]) for row in rows) for i in range(3)]
-        for row in rows:
-            print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:3])) + "  " + row[3])
+            source = r["source"].replace("transformers.models.", "")
+            head = f"{r['capability']}: {r['impl']}"
+            if source and len(head) + len(source) + 5 <= 100:
+                head += f"  ({source})"
+            print(head)
+            for line in textwrap.wrap(r["reason"], width=96, break_on_hyphens=False):
+                print("    " + line)
         if doc["error"]:
             print("error:", doc["error"])
     return 1 if doc["error"] or any(r["impl"] == "unsupported" for r in doc["resolutions"]) else 0
