@@ -79,31 +79,34 @@ __all__ = ["run_upstream", "padded", "forward_kwargs", "seconds", "video_seconds
            "three_d_positions", "tiny_model", "tiny_pixels", "tiny_sequence", "text_model"]
 
 
+#: upstream forwards known to be broken on some releases: (exception, message fragment or "", first and last
+#: release, why). The oracle test is skipped with the reason there; tfcompat's own paths still run.
+UPSTREAM_BUGS = (
+    (StopIteration, "", "5.3.0", "5.5.3",
+     "this release's Qwen3-VL/Qwen3.5 forward cannot position multi-frame videos (upstream bug in "
+     "get_rope_index; tfcompat.embeds.rope_index splits the grid per frame)"),
+    (ValueError, "Video features and video tokens do not match", "4.54.0", "4.54.1",
+     "transformers 4.54.x Qwen2-VL counts video tokens with image_token_id (upstream bug; tfcompat.embeds is "
+     "not affected)"),
+    (ValueError, "too many values to unpack", "5.0.0", "5.2.99",
+     "transformers 5.0 Qwen3-Omni thinker unpacks get_video_features(...).pooler_output into two values and "
+     "cannot take videos (upstream bug)"),
+    (RuntimeError, "cannot be broadcast to indexing result", "4.57.0", "4.57.99",
+     "transformers 4.57 Qwen3-Omni thinker hands its text model a (batch, seq, hidden) visual mask, which its "
+     "deepstack merge cannot index (upstream bug)"),
+)
+
+
 def run_upstream(fn):
-    """Run the upstream oracle; skip where this release's own forward is known to be broken."""
+    """Run the upstream oracle; skip where this release's own forward is known to be broken (UPSTREAM_BUGS)."""
     import pytest
 
     from tfcompat.version import is_transformers_version_in_range
 
     try:
         return fn()
-    except StopIteration:
-        if is_transformers_version_in_range("5.3.0", "5.5.3"):
-            pytest.skip("this release's Qwen3-VL/Qwen3.5 forward cannot position multi-frame videos (upstream bug "
-                        "in get_rope_index; tfcompat.embeds.rope_index splits the grid per frame)")
-        raise
-    except ValueError as exc:
-        if "Video features and video tokens do not match" in str(exc) and \
-                is_transformers_version_in_range("4.54.0", "4.54.1"):
-            pytest.skip("transformers 4.54.x Qwen2-VL counts video tokens with image_token_id (upstream bug; "
-                        "tfcompat.embeds is not affected)")
-        if "too many values to unpack" in str(exc) and is_transformers_version_in_range("5.0.0", "5.2.99"):
-            pytest.skip("transformers 5.0 Qwen3-Omni thinker unpacks get_video_features(...).pooler_output into two "
-                        "values and cannot take videos (upstream bug)")
-        raise
-    except RuntimeError as exc:
-        if "cannot be broadcast to indexing result" in str(exc) and \
-                is_transformers_version_in_range("4.57.0", "4.57.99"):
-            pytest.skip("transformers 4.57 Qwen3-Omni thinker hands its text model a (batch, seq, hidden) visual mask, "
-                        "which its deepstack merge cannot index (upstream bug)")
+    except (StopIteration, ValueError, RuntimeError) as exc:
+        for kind, fragment, first, last, why in UPSTREAM_BUGS:
+            if isinstance(exc, kind) and fragment in str(exc) and is_transformers_version_in_range(first, last):
+                pytest.skip(why)
         raise
