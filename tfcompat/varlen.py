@@ -128,9 +128,7 @@ def backend(tensor: Optional[torch.Tensor] = None, dropout_p: float = 0.0) -> st
 
 def flash_attn_available(tensor: Optional[torch.Tensor] = None) -> bool:
     """True when flash-attn's varlen kernel can run (importable, and ``tensor`` on CUDA in fp16/bf16)."""
-    if _flash_varlen() is None:
-        return False
-    return tensor is None or (tensor.is_cuda and tensor.dtype in (torch.float16, torch.bfloat16))
+    return backend(tensor) == "flash_attn"
 
 
 def _check(q, k, v, cu_seqlens):
