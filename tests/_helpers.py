@@ -2,6 +2,7 @@
 
 import importlib
 import inspect
+import os
 
 import torch
 
@@ -14,7 +15,25 @@ from tfcompat.testing import tiny_config
 # bf16: upstream rounds each product and the sum to bf16 (three roundings), native rounds once, so
 # they differ by up to ~2 roundings (2**-8 relative each) of the largest *terms*, which can exceed
 # the result when the terms cancel: terms reach |x| ~ 4 here, hence atol 2**-6 on top of rtol.
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2**-7, atol=2**-6)}
+# fp16 likewise with 2**-11 per rounding: atol 2**-8.
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2**-7, atol=2**-6),
+       torch.float16: dict(rtol=2**-9, atol=2**-8)}
+
+
+def triton_ready():
+    """Whether the Triton RoPE kernel can run on this process's CPU tensors (Triton's interpreter)."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def rope_impls():
+    """apply_rope implementations that run on CPU tensors here (triton only in Triton's interpreter)."""
+    return ["native", "composite"] + (["triton"] if triton_ready() else [])
 
 
 def installed():

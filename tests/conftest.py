@@ -14,6 +14,12 @@ def pytest_sessionstart(session):
     print(f"\ntfcompat tests: transformers {installed}, torch {torch_version}, expected {expected or '(any)'}")
     if expected and expected != "latest" and installed != expected:
         pytest.exit(f"tox env expects transformers {expected} but {installed} is installed", returncode=3)
+    if os.environ.get("TFCOMPAT_EXPECT_TRITON"):
+        from _helpers import triton_ready
+
+        if not triton_ready():
+            pytest.exit("tox env expects the Triton kernels to run in Triton's interpreter, but triton does not "
+                        "import or TRITON_INTERPRET is unset", returncode=3)
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,7 @@ from tfcompat.packing import pack, packed, unpack
 from tfcompat.rope import apply_rope, apply_rope_
 from tfcompat.varlen import cu_seqlens_from_position_ids, varlen_attention
 
-from _helpers import TOL, installed, position_ids, rotary, upstream_rope
+from _helpers import TOL, installed, position_ids, rope_impls, rotary, upstream_rope
 from _models import padded, tiny_model, tiny_sequence
 
 FAMILIES = installed()
@@ -209,8 +209,8 @@ FAULT = st.sampled_from([None] * 6 + ["batch", "seq", "dtype", "trim", "cos_dtyp
 @settings(**SETTINGS)
 @given(name=st.sampled_from(FAMILIES), qb=st.integers(1, 3), cb1=st.booleans(), seq=st.integers(1, 12),
        heads=st.integers(1, 4), layout=st.sampled_from([1, 2]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       inplace=st.booleans(), fault=FAULT)
-def test_fuzz_apply_rope(name, qb, cb1, seq, heads, layout, dtype, inplace, fault):
+       inplace=st.booleans(), fault=FAULT, impl=st.sampled_from(rope_impls()))
+def test_fuzz_apply_rope(name, qb, cb1, seq, heads, layout, dtype, inplace, fault, impl):
     g = torch.Generator().manual_seed(seq * 7 + qb)
     rot, config = rotary(name)
     d = rope_parameters(config).head_dim - (2 if fault == "trim" else 0)
@@ -226,8 +226,8 @@ def test_fuzz_apply_rope(name, qb, cb1, seq, heads, layout, dtype, inplace, faul
 
     def ours():
         if inplace:
-            return apply_rope_(q.clone(), k.clone(), cos, sin, config=config, unsqueeze_dim=layout)
-        return apply_rope(q, k, cos, sin, config=config, unsqueeze_dim=layout)
+            return apply_rope_(q.clone(), k.clone(), cos, sin, config=config, unsqueeze_dim=layout, impl=impl)
+        return apply_rope(q, k, cos, sin, config=config, unsqueeze_dim=layout, impl=impl)
 
     def check(got, want):
         for a, b in zip(got, want):

@@ -38,6 +38,9 @@ def test_report_resolves_everything():
         if r.capability == "varlen.backend":  # not a transformers symbol: which kernel packed attention runs
             assert r.impl == ("flash_attn" if flash_attn_available() else "torch_varlen" if importlib.util.find_spec(
                 "torch.nn.attention.varlen") else "sdpa") and "sdpa" in r.reason
+        elif r.capability == "rope.impl":  # which apply_rope kernel impl="auto" runs per device
+            triton = importlib.util.find_spec("triton") is not None
+            assert r.impl == f"cpu=native cuda={'triton' if triton else 'composite'}" and "composite" in r.reason
         else:
             assert r.reason and r.source.startswith("transformers.")
         json.dumps(r.as_dict())

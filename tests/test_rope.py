@@ -6,7 +6,7 @@ import torch
 from tfcompat.config import rope_parameters
 from tfcompat.rope import apply_rope, apply_rope_
 
-from _helpers import TOL, installed, position_ids, rotary, upstream_rope
+from _helpers import TOL, installed, position_ids, rope_impls, rotary, triton_ready, upstream_rope
 
 FAMILIES = installed()
 SHAPES = [(1, 1), (1, 7), (2, 33), (3, 65)]
@@ -35,7 +35,7 @@ def _grads(fn, q, k, gq, gk):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("batch,seq", SHAPES)
 @pytest.mark.parametrize("layout", [1, 2], ids=["bhsd", "bshd"])
 def test_apply_rope_matches_upstream_forward_and_backward(name, dtype, batch, seq, layout):
@@ -45,10 +45,13 @@ def test_apply_rope_matches_upstream_forward_and_backward(name, dtype, batch, se
     gk = torch.randn(k.shape, generator=g).to(dtype)
     want = _grads(lambda a, b: oracle(a, b, cos, sin, unsqueeze_dim=layout), q, k, gq, gk)
     candidates = {
-        "native": lambda a, b: apply_rope(a, b, cos, sin, config=config, unsqueeze_dim=layout, impl="native"),
         "upstream": lambda a, b: apply_rope(a, b, cos, sin, config=config, unsqueeze_dim=layout, impl="upstream"),
-        "inplace": lambda a, b: apply_rope_(a, b, cos, sin, config=config, unsqueeze_dim=layout),
     }
+    for impl in rope_impls():
+        candidates[impl] = lambda a, b, impl=impl: apply_rope(a, b, cos, sin, config=config, unsqueeze_dim=layout,
+                                                              impl=impl)
+        candidates[impl + " in place"] = lambda a, b, impl=impl: apply_rope_(a, b, cos, sin, config=config,
+                                                                             unsqueeze_dim=layout, impl=impl)
     for impl, fn in candidates.items():
         got = _grads(fn, q, k, gq, gk)
         for label, w, h in zip(("q", "k", "dq", "dk"), want, got):
@@ -116,23 +119,27 @@ def test_impl_env_variable(monkeypatch):
     monkeypatch.setenv("TFCOMPAT_ROPE_IMPL", "upstream")
     apply_rope(q, k, cos, sin, config=config)
     monkeypatch.setenv("TFCOMPAT_ROPE_IMPL", "fastest")
-    with pytest.raises(ValueError, match="TFCOMPAT_ROPE_IMPL='fastest' is not one of auto, native, upstream"):
+    with pytest.raises(ValueError, match="TFCOMPAT_ROPE_IMPL='fastest' is not one of auto, native, composite, triton, "
+                                         "upstream"):
         apply_rope(q, k, cos, sin, config=config)
 
 
-def test_cos_requiring_grad_falls_back_to_autograd():
+@pytest.mark.parametrize("impl", rope_impls())
+def test_cos_requiring_grad_falls_back_to_autograd(impl):
     name = FAMILIES[-1]
     config, cos, sin, q, k, _ = _inputs(name, 1, 6, torch.float32, 1, seed=2)
     cos = cos.clone().requires_grad_(True)
-    oq, ok = apply_rope(q, k, cos, sin, config=config)
+    oq, ok = apply_rope(q, k, cos, sin, config=config, impl=impl)
     (oq.sum() + ok.sum()).backward()
     want_q, _ = upstream_rope(name, config)(q, k, cos.detach(), sin)
     torch.testing.assert_close(oq.detach(), want_q, **TOL[torch.float32])
     assert cos.grad is not None and cos.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("name", [n for n in ("qwen2_vl", "glm4v", "qwen3_5") if n in FAMILIES])
-def test_inplace_on_projection_views_backpropagates_into_weights(name):
+@pytest.mark.parametrize("impl", rope_impls())
+@pytest.mark.parametrize("name", [n for n in ("qwen2_vl", "glm4v", "qwen3_5", "glm4", "glm4_moe_lite")
+                                  if n in FAMILIES])
+def test_inplace_on_projection_views_backpropagates_into_weights(name, impl):
     """The bundled attention rotates `proj(x).view(b, s, h, d).transpose(1, 2)` in place."""
     config, cos, sin, q, k, g = _inputs(name, 2, 11, torch.float32, 1, seed=4)
     b, h, s, d = q.shape
@@ -141,7 +148,7 @@ def test_inplace_on_projection_views_backpropagates_into_weights(name):
     wk = torch.randn(8, k.shape[1] * d, generator=g, requires_grad=True)
     grads = []
     for fn in (lambda a, c: upstream_rope(name, config)(a, c, cos, sin),
-               lambda a, c: apply_rope_(a, c, cos, sin, config=config)):
+               lambda a, c: apply_rope_(a, c, cos, sin, config=config, impl=impl)):
         qv = (x @ w).view(b, s, h, d).transpose(1, 2)
         kv = (x @ wk).view(b, s, -1, d).transpose(1, 2)
         oq, ok = fn(qv, kv)
@@ -174,3 +181,78 @@ def test_torch_compile_fullgraph(name):
     ref = q.clone().requires_grad_(True)
     upstream_rope(name, config)(ref, k, cos, sin)[0].sum().backward()
     torch.testing.assert_close(qq.grad, ref.grad, **TOL[torch.float32])
+
+
+def _dispatched(fn):
+    """Non-view aten ops fn dispatches, and the host syncs among them (equal / _local_scalar_dense)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.syncs = [], []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            aten = torch.ops.aten
+            if func in (aten.equal.default, aten._local_scalar_dense.default, aten.item.default):
+                self.syncs.append(str(func))
+            view = func is torch.ops.aten._unsafe_view.default or any(r.alias_info for r in func._schema.returns)
+            if not func._schema.is_mutable and not view:
+                self.ops.append(str(func.overloadpacket.__name__))
+            return out
+
+    with Count() as count:
+        fn()
+    return count.ops, count.syncs
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_composite_dispatches_few_ops_and_no_host_sync(name):
+    """What CUDA tensors get where triton does not import: each op is a kernel launch there, and a host sync
+    stalls the stream, so both are counted (upstream's count, printed beside it, is the yardstick)."""
+    config, cos, sin, q, k, _ = _inputs(name, 2, 33, torch.bfloat16, 1, seed=8)
+    upstream, _ = _dispatched(lambda: apply_rope(q, k, cos, sin, config=config, impl="upstream"))
+    ops, syncs = _dispatched(lambda: apply_rope(q, k, cos, sin, config=config, impl="composite"))
+    print(f"{name}: composite {len(ops)} ops, upstream {len(upstream)}")
+    assert not syncs, f"{name}: the composite syncs with the host: {syncs}"
+    assert len(ops) <= 12, f"{name}: the composite dispatches {len(ops)} ops (upstream {len(upstream)}): {ops}"
+
+
+@pytest.mark.skipif(not triton_ready(), reason="needs triton in its interpreter (TRITON_INTERPRET=1) or a GPU")
+@pytest.mark.parametrize("name", FAMILIES)
+def test_triton_is_one_launch_each_way(name):
+    from tfcompat._kernels import rope_triton
+
+    config, cos, sin, q, k, _ = _inputs(name, 2, 9, torch.bfloat16, 1, seed=8)
+    q.requires_grad_(True)
+    before = rope_triton.launches
+    oq, ok = apply_rope(q * 1, k, cos, sin, config=config, impl="triton")
+    assert rope_triton.launches == before + 1
+    (oq.float().sum() + ok.float().sum()).backward()
+    assert rope_triton.launches == before + 2
+    apply_rope_(q * 1, k * 1, cos, sin, config=config, impl="triton")  # in place, not views: one launch too
+    assert rope_triton.launches == before + 3
+
+
+def test_triton_refuses_clearly_where_it_cannot_run():
+    if triton_ready():
+        pytest.skip("triton runs here")
+    from tfcompat.errors import ConfigError
+
+    config, cos, sin, q, k, _ = _inputs(FAMILIES[0], 1, 3, torch.float32, 1, seed=1)
+    with pytest.raises(ConfigError, match="impl='triton'"):
+        apply_rope(q, k, cos, sin, config=config, impl="triton")
+
+
+def test_auto_is_device_aware():
+    from tfcompat.rope import impl_for
+
+    assert impl_for("cpu") == impl_for(torch.device("cpu")) == "native"
+    try:
+        import triton  # noqa: F401
+        has_triton = True
+    except ImportError:
+        has_triton = False
+    assert impl_for("cuda:0") == ("triton" if has_triton else "composite")
+    assert impl_for("mps") == "composite"

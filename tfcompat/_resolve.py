@@ -335,6 +335,17 @@ def _varlen_backends():
                       str(_version.transformers_version()))
 
 
+def _rope_impls():
+    from .rope import impl_for
+
+    cuda = impl_for("cuda")
+    why = "triton imports" if cuda == "triton" else "triton does not import"
+    return Resolution("rope.impl", f"cpu={impl_for('cpu')} cuda={cuda}", "",
+                      f"apply_rope impl='auto': CPU tensors -> {impl_for('cpu')} (sliced in-cache kernels); CUDA "
+                      f"tensors -> {cuda} ({why}); under torch.compile or with cos/sin requiring grad -> composite",
+                      str(_version.transformers_version()))
+
+
 def report(families=None):
     """Resolve every capability for ``families`` (default: all installed) and return the records.
 
@@ -342,7 +353,7 @@ def report(families=None):
     ``"unsupported"`` and the error text as reason, so one gap does not hide the rest.
     """
     names = installed_families() if families is None else [_family(f).name for f in families]
-    out = [_varlen_backends()]
+    out = [_rope_impls(), _varlen_backends()]
     for name in names:
         for kind in _RESOLVERS:
             try:

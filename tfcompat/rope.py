@@ -15,16 +15,23 @@ interleaved sections (Qwen3-VL, Qwen3.5: folded by the rotary module), partial r
 cos is narrower than head_dim. Which of them applies, and which cos layout the installed
 release produces, is decided by the resolver, never by the caller.
 
-Implementations: ``impl="native"`` (tfcompat's kernels: fewer memory passes, backward by
-inverse rotation), ``"upstream"`` (the installed transformers' own function),
-``"auto"`` (native; the default). The default can be set with the environment variable
-``TFCOMPAT_ROPE_IMPL``.
+Implementations (``impl=``; the default can be set with the environment variable ``TFCOMPAT_ROPE_IMPL``):
+
+- ``"native"``: tfcompat's CPU-tuned kernels (in-cache slices, backward by inverse rotation);
+- ``"triton"``: one fused Triton launch for q and k, forward and backward (CUDA; on CPU only in
+  Triton's interpreter, for tests);
+- ``"composite"``: ``x * cos + swap(x) * signed_sin``, ~10 dispatched ops, no host sync;
+- ``"upstream"``: the installed transformers' own function;
+- ``"auto"`` (default): by device, :func:`impl_for`: native on CPU, triton on CUDA where triton
+  imports, else composite. Under ``torch.compile``, and where cos/sin need gradients, the
+  composite runs (the compiler fuses it; autograd differentiates it).
 
 .. versionadded:: 0.1.0
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -35,9 +42,9 @@ from .errors import ConfigError, RopeShapeError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["apply_rope", "apply_rope_", "prepare", "IMPLS"]
+__all__ = ["apply_rope", "apply_rope_", "prepare", "impl_for", "IMPLS"]
 
-IMPLS = ("auto", "native", "upstream")
+IMPLS = ("auto", "native", "composite", "triton", "upstream")
 
 
 def prepare(config_or_model_type: Any) -> _resolve.Resolution:
@@ -155,7 +162,42 @@ def _compiling():
     return torch.compiler.is_compiling()
 
 
-def _native(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace):
+@functools.lru_cache(maxsize=None)
+def _triton_kernels():
+    """The Triton kernel module, or the reason it cannot be used (cached: imported once per process)."""
+    try:
+        from ._kernels import rope_triton
+    except ImportError as exc:  # no triton (CPU builds of torch do not ship it)
+        return f"triton is not importable ({exc}); install triton, or use impl='native' or 'composite'"
+    return rope_triton
+
+
+def impl_for(device: Any) -> str:
+    """What ``impl="auto"`` runs on ``device`` ("cpu", "cuda", a torch.device): the decision ``report`` lists.
+
+    CPU: the sliced native kernels (fast in cache). Launch-bound devices (CUDA and others): the fused
+    Triton kernel where triton imports (CUDA builds of torch ship it), else the compact composite.
+    """
+    kind = getattr(device, "type", str(device).split(":")[0])
+    if kind == "cpu":
+        return "native"
+    if kind == "cuda" and not isinstance(_triton_kernels(), str):
+        return "triton"
+    return "composite"
+
+
+def _triton_for(fam, q):
+    mod = _triton_kernels()
+    if isinstance(mod, str):
+        raise ConfigError(f"apply_rope for {fam.name}: impl='triton' but {mod}")
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and mod.interpreted()):
+        raise ConfigError(f"apply_rope for {fam.name}: impl='triton' runs on CUDA tensors, q is on {q.device}; "
+                          f"on CPU Triton runs only in its interpreter (TRITON_INTERPRET=1 set before triton is "
+                          f"imported: slow, for tests); use impl='native' there")
+    return mod
+
+
+def _rotate(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace, impl):
     from ._kernels import rope as kernels
 
     plan = res.plan
@@ -168,22 +210,44 @@ def _native(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace):
                                  f"so cos width {width} must equal q's and k's head_dim "
                                  f"({q.shape[-1]}, {k.shape[-1]}); "
                                  f"pass the rotary part of q and k (qk_rope_head_dim)")
-        q, k = kernels.deinterleave(q, inplace), kernels.deinterleave(k, inplace)
-        rotation = "neox"
+    if impl == "auto":
+        impl = impl_for(q.device)
+    grad_trig = cos.requires_grad or sin.requires_grad
+    if impl == "triton":
+        mod = _triton_for(fam, q)
+        if not (_compiling() or grad_trig or q.dtype != k.dtype):
+            layout = mod.Layout(rotation, plan.gptj_cos, section)
+            return mod.rope(q, k, cos, sin, layout, seq_dim, inplace=inplace)
+        impl = "composite"  # traced by torch.compile / differentiated through cos and sin
     if plan.cos_rows == 3:
         cos = kernels.fold_contiguous(cos, section)
         sin = kernels.fold_contiguous(sin, section)
-    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
     if cos.dtype != q.dtype:
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-    if _compiling():
-        # under torch.compile the plain formula is traced and fused by the compiler
-        trig = kernels.Trig(cos, sin, rotation, plan.gptj_cos, probe_pairs=False)
-        return kernels.composite(q, trig), kernels.composite(k, trig)
+    if impl == "composite" or _compiling() or grad_trig:
+        # under torch.compile the plain formula is traced and fused by the compiler; with cos/sin that need
+        # gradients autograd differentiates it
+        oq, ok = kernels.compact(q, k, cos, sin, rotation, plan.gptj_cos, unsqueeze_dim)
+        if inplace and not grad_trig:  # the composite's backward needs neither old q nor old k
+            return q.copy_(oq), k.copy_(ok)
+        return oq, ok
+    if rotation == "deinterleave":
+        q, k = kernels.deinterleave(q, inplace), kernels.deinterleave(k, inplace)
+        rotation = "neox"
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
     trig = kernels.Trig(cos, sin, rotation, plan.gptj_cos)
     return (kernels.rotate(q, cos, sin, trig, seq_dim, inplace=inplace),
             kernels.rotate(k, cos, sin, trig, seq_dim, inplace=inplace))
+
+
+def _upstream(res, q, k, cos, sin, section, unsqueeze_dim):
+    if res.plan.cos_rows == 3:
+        return res.target(q, k, cos, sin, list(section or ()), unsqueeze_dim=unsqueeze_dim)
+    if res.plan.single:
+        return (res.target(q, cos, sin, unsqueeze_dim=unsqueeze_dim),
+                res.target(k, cos, sin, unsqueeze_dim=unsqueeze_dim))
+    return res.target(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, config: Any = None,
@@ -197,7 +261,9 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         config: the model's config (top-level or text); or give ``model_type``.
         model_type: a family name such as ``"glm4v"`` or ``"qwen2_5_vl"``.
         mrope_section: (T, H, W) sections; needed only where cos/sin are 3-row and no config is given.
-        impl: "auto" (default), "native" or "upstream".
+        impl: "auto" (default: by device, see :func:`impl_for`), "native" (CPU-tuned kernels),
+            "composite" (~10 ops, no host sync), "triton" (one fused launch; CUDA, or CPU in Triton's
+            interpreter) or "upstream" (the installed transformers' own function).
 
     Returns:
         ``(q_embed, k_embed)``, new tensors of q's and k's shapes and dtypes.
@@ -208,26 +274,26 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     """
     fam, res, seq_dim = _prepare(q, k, cos, sin, config, model_type, mrope_section, unsqueeze_dim)
     section = _section(fam, config, mrope_section, res.plan, cos) if res.plan.cos_rows == 3 else None
-    if _impl(impl) == "upstream":
-        if res.plan.cos_rows == 3:
-            return res.target(q, k, cos, sin, list(section or ()), unsqueeze_dim=unsqueeze_dim)
-        if res.plan.single:
-            return (res.target(q, cos, sin, unsqueeze_dim=unsqueeze_dim),
-                    res.target(k, cos, sin, unsqueeze_dim=unsqueeze_dim))
-        return res.target(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
-    return _native(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace=False)
+    chosen = _impl(impl)
+    if chosen == "upstream":
+        return _upstream(res, q, k, cos, sin, section, unsqueeze_dim)
+    return _rotate(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace=False, impl=chosen)
 
 
 def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, config: Any = None,
                 model_type: Optional[str] = None, mrope_section: Optional[Sequence[int]] = None,
-                unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                unsqueeze_dim: int = 1, impl: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """In-place :func:`apply_rope` for callers that own q and k (fresh projection outputs).
 
     q and k are overwritten and returned. Autograd-correct: the backward is the inverse
     rotation, so nothing needs the pre-rotation values (a linear projection's backward
     does not need its output). Where cos/sin require gradients, the rotation is done out
     of place and new tensors are returned.
+
+    ``impl`` as for :func:`apply_rope`; "upstream" rotates out of place and returns new tensors
+    (so ``TFCOMPAT_ROPE_IMPL=upstream`` switches a patched model to upstream's rotary too).
     """
+    chosen = _impl(impl)
     fam, res, seq_dim = _prepare(q, k, cos, sin, config, model_type, mrope_section, unsqueeze_dim)
     section = _section(fam, config, mrope_section, res.plan, cos) if res.plan.cos_rows == 3 else None
     import torch
@@ -239,4 +305,6 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
         if t.requires_grad and t.is_leaf:
             raise RopeShapeError(f"apply_rope_ for {fam.name}: {name} is a leaf tensor that requires grad; it cannot "
                                  f"be rotated in place; use apply_rope, or pass the projection output")
-    return _native(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace=True)
+    if chosen == "upstream":
+        return _upstream(res, q, k, cos, sin, section, unsqueeze_dim)
+    return _rotate(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace=True, impl=chosen)

@@ -1,5 +1,10 @@
 """Native rotary kernels: every convention apply_rope covers, with an analytic backward.
 
+Tuned for CPU: many small in-cache ops over slices of the sequence (300-1,800 dispatched ops per
+call at 16k tokens). On a GPU each op is a kernel launch, so ``apply_rope`` sends CUDA tensors to the
+fused Triton kernel (``rope_triton.py``) or to ``compact`` below; the GPT-J probe here (``torch.equal``)
+would also sync with the host there.
+
 Notation, for one tensor ``x`` of rotary width ``rd`` (the leading ``rd`` channels of the
 last dim; the rest passes through untouched):
 
@@ -48,7 +53,7 @@ def _complex_view(x, rd):
 class Trig:
     """cos/sin prepared once per call: broadcastable to x, split into the parts each kernel needs."""
 
-    def __init__(self, cos, sin, rotation, gptj_cos, probe_pairs=True):
+    def __init__(self, cos, sin, rotation, gptj_cos):
         # cos, sin: folded and unsqueezed, e.g. (b, 1, s, rd); same dtype as x
         self.rotation = rotation
         self.rd = cos.shape[-1]
@@ -64,7 +69,7 @@ class Trig:
         c1, s1, c2, s2 = self.parts
         self._parts32 = None
         self.freqs = None
-        if rotation == "gptj" and probe_pairs and (c1 is c2 or (torch.equal(c1, c2) and torch.equal(s1, s2))):
+        if rotation == "gptj" and (c1 is c2 or (torch.equal(c1, c2) and torch.equal(s1, s2))):
             self.freqs = torch.complex(c1.float(), s1.float()) if c1.dtype != torch.float64 else torch.complex(c1, s1)
         self._inverse = None
 
@@ -165,23 +170,45 @@ class _RopeInplace(_Rope):
         return x
 
 
-def composite(x, trig):
-    """Plain differentiable form, used when cos/sin themselves need gradients."""
-    c1, s1, c2, s2 = trig.parts
-    a, b = _parts(x, trig.rotation, trig.rd)
-    out_a = a * c1 - b * s1
-    out_b = b * c2 + a * s2
-    if trig.rotation == "neox":
-        rot = torch.cat((out_a, out_b), dim=-1)
+def compact(q, k, cos, sin, rotation, gptj_cos, unsqueeze_dim):
+    """Both tensors as ``x * cos + swap(x) * signed_sin``: ~10-12 dispatched ops per call, no host sync.
+
+    For launch-bound devices without Triton, and under ``torch.compile`` (the compiler fuses it) or
+    when cos/sin need gradients (plain autograd). ``swap`` exchanges the two rotated parts and the
+    sign of the first part's sine is folded into ``signed_sin`` once for q and k: the same products as
+    upstream's ``rotate_half``, so the result equals upstream's in every dtype. cos/sin: folded
+    (batch, seq, rd), cast to q's dtype by the caller."""
+    rd = cos.shape[-1]
+    half = rd // 2
+    if rotation == "gptj":  # in (pairs, 2) views: swap = flip of the last dim
+        if gptj_cos == "half":  # pair i meets cos[i]: broadcast over the pair, no repeat_interleave copy
+            cos, s = cos[..., :half, None], sin[..., :half, None]
+            signed = torch.cat((-s, s), dim=-1)
+        else:
+            cos, pairs = cos.unflatten(-1, (half, 2)), sin.unflatten(-1, (half, 2))
+            signed = torch.stack((-pairs[..., 0], pairs[..., 1]), dim=-1)
+        unsqueeze = unsqueeze_dim if unsqueeze_dim >= 0 else unsqueeze_dim - 1
     else:
-        rot = torch.stack((out_a, out_b), dim=-1).flatten(-2)
-    return torch.cat((rot, x[..., trig.rd:]), dim=-1) if trig.rd < x.shape[-1] else rot
+        signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        unsqueeze = unsqueeze_dim
+    cos, signed = cos.unsqueeze(unsqueeze), signed.unsqueeze(unsqueeze)
+
+    def one(x):
+        if rotation == "deinterleave":
+            x = torch.cat((x[..., 0:rd:2], x[..., 1:rd:2]), dim=-1)  # whole head (checked by the caller)
+        r = x[..., :rd]
+        if rotation == "gptj":
+            r = r.unflatten(-1, (half, 2))
+            out = (r * cos + r.flip(-1) * signed).flatten(-2)
+        else:
+            out = r * cos + torch.cat((r[..., half:], r[..., :half]), dim=-1) * signed
+        return torch.cat((out, x[..., rd:]), dim=-1) if rd < x.shape[-1] else out
+
+    return one(q), one(k)
 
 
 def rotate(x, cos, sin, trig, seq_dim, inplace=False):
-    """Rotate one tensor. cos/sin are passed only so autograd sees whether they need gradients."""
-    if cos.requires_grad or sin.requires_grad:
-        return composite(x, trig)  # out of place: autograd differentiates the plain form
+    """Rotate one tensor (cos/sin do not need gradients: the caller runs ``compact`` where they do)."""
     fn = _RopeInplace if inplace else _Rope
     return fn.apply(x, cos, sin, trig, seq_dim)
 

@@ -1,0 +1,251 @@
+"""Fused Triton RoPE: one launch rotates q and k, forward or backward, for every convention tfcompat covers.
+
+Tuned for CUDA: each program rotates a tile of rows (one token and head each) of q or of k, so a call is
+one kernel launch that reads q and k once and writes them once (out of place) or back into them (in
+place); cos/sin rows are re-read per head from cache. Nothing
+is synced with the host and nothing of q's size is saved for backward: the backward is the inverse
+rotation, the same kernel with ``INVERSE`` set. On CPU tensors Triton runs it in its interpreter
+(``TRITON_INTERPRET=1``, set before triton is imported): slow, for testing only.
+
+Index maps, per pair ``i`` of the rotary width ``RD`` (``HALF = RD // 2`` pairs):
+
+- where the two parts are read from x and written to out: halves ``(i, i + HALF)`` or adjacent
+  pairs ``(2i, 2i + 1)``. DeepSeek's interleaved layout (MLA) reads pairs and writes halves; its
+  backward reads halves and writes pairs;
+- which cos/sin channels meet them: ``(i, i + HALF)`` (NeoX), ``(2i, 2i + 1)`` (GPT-J, cos repeated
+  per pair) or ``(i, i)`` (GPT-J, the attention takes cos's first half and repeat-interleaves it);
+- with unfolded 3-row mRoPE cos (``ROWS3``), channel ``j`` comes from row T, H or W by the section
+  that ``j mod HALF`` falls in (the fold the attention would do, without materialising it).
+
+Math in fp32 (fp64 stays fp64); cos/sin are first cast to x's dtype, as the other implementations do.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# rows (token x head) per program times pairs per row: ~4k elements a tile, 16 KiB of bf16 in and out
+_TILE = 4096
+
+#: kernel launches since import (tests count them: one per apply_rope call, one per backward)
+launches = 0
+
+
+@triton.jit
+def _cos_index(i, HALF: tl.constexpr, COS_MODE: tl.constexpr):
+    if COS_MODE == 0:  # NeoX halves
+        return i, i + HALF
+    elif COS_MODE == 1:  # GPT-J, cos already repeated per pair
+        return 2 * i, 2 * i + 1
+    else:  # GPT-J, first half of cos repeat-interleaved by the attention
+        return i, i
+
+
+@triton.jit
+def _trig(ptr, base, j, sec0, sec1, sr, sd, mask, HALF: tl.constexpr, ROWS3: tl.constexpr,
+          X_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    offset = base + j * sd
+    if ROWS3:  # unfolded mRoPE: channel j comes from row T, H or W by the section j mod HALF falls in
+        m = j % HALF
+        offset += tl.where(m < sec0, 0, tl.where(m < sec0 + sec1, 1, 2)) * sr
+    v = tl.load(ptr + offset, mask=mask, other=0.0).to(X_DTYPE)
+    if UPCAST:
+        v = v.to(tl.float32)
+    return v
+
+
+@triton.jit
+def _rotate_rows(x_ptr, o_ptr, xb, xh, xs, xd, ob, oh, os_, od, cos_ptr, sin_ptr, cb, cs, cr, cd, sb, ss, sr, sd,
+                 sec0, sec1, row0, n_rows, seq, heads,
+                 D: tl.constexpr, RD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                 BLOCK_TAIL: tl.constexpr, IN_PAIRS: tl.constexpr, OUT_PAIRS: tl.constexpr, COS_MODE: tl.constexpr,
+                 ROWS3: tl.constexpr, INVERSE: tl.constexpr, COPY_TAIL: tl.constexpr, UPCAST: tl.constexpr):
+    """BLOCK_R rows (one token and head each) of one tensor: the rotary channels, then the tail."""
+    HALF: tl.constexpr = RD // 2
+    r = (row0 + tl.arange(0, BLOCK_R)).to(tl.int64)  # int64: offsets of q past 2**31 elements stay exact
+    rmask = r < n_rows
+    h = r % heads
+    t = r // heads
+    s = t % seq
+    b = t // seq
+    i = tl.arange(0, BLOCK_HALF)
+    mask = rmask[:, None] & (i < HALF)[None, :]
+    j1, j2 = _cos_index(i, HALF, COS_MODE)
+    x_dtype = x_ptr.dtype.element_ty
+    cbase = (b * cb + s * cs)[:, None]
+    sbase = (b * sb + s * ss)[:, None]
+    c1 = _trig(cos_ptr, cbase, j1[None, :], sec0, sec1, cr, cd, mask, HALF, ROWS3, x_dtype, UPCAST)
+    c2 = _trig(cos_ptr, cbase, j2[None, :], sec0, sec1, cr, cd, mask, HALF, ROWS3, x_dtype, UPCAST)
+    s1 = _trig(sin_ptr, sbase, j1[None, :], sec0, sec1, sr, sd, mask, HALF, ROWS3, x_dtype, UPCAST)
+    s2 = _trig(sin_ptr, sbase, j2[None, :], sec0, sec1, sr, sd, mask, HALF, ROWS3, x_dtype, UPCAST)
+    if IN_PAIRS:
+        ia = 2 * i
+        ib = 2 * i + 1
+    else:
+        ia = i
+        ib = i + HALF
+    if OUT_PAIRS:
+        oa = 2 * i
+        obb = 2 * i + 1
+    else:
+        oa = i
+        obb = i + HALF
+    xrow = x_ptr + (b * xb + s * xs + h * xh)[:, None]
+    orow = o_ptr + (b * ob + s * os_ + h * oh)[:, None]
+    a = tl.load(xrow + ia[None, :] * xd, mask=mask, other=0.0)
+    bb = tl.load(xrow + ib[None, :] * xd, mask=mask, other=0.0)
+    if UPCAST:
+        a = a.to(tl.float32)
+        bb = bb.to(tl.float32)
+    if INVERSE:  # da = ga c1 + gb s2 ; db = gb c2 - ga s1
+        ra = a * c1 + bb * s2
+        rb = bb * c2 - a * s1
+    else:  # out_a = a c1 - b s1 ; out_b = b c2 + a s2
+        ra = a * c1 - bb * s1
+        rb = bb * c2 + a * s2
+    tl.store(orow + oa[None, :] * od, ra.to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(orow + obb[None, :] * od, rb.to(o_ptr.dtype.element_ty), mask=mask)
+    if COPY_TAIL:  # partial rotary, out of place: the channels past RD pass through
+        c = RD + tl.arange(0, BLOCK_TAIL)
+        tmask = rmask[:, None] & (c < D)[None, :]
+        tail = tl.load(xrow + c[None, :] * xd, mask=tmask, other=0.0)
+        tl.store(orow + c[None, :] * od, tail, mask=tmask)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, seq, hq, hk, q_rows, k_rows, q_programs, sec0, sec1,
+                 qb, qh, qs, qd, kb, kh, ks, kd, qob, qoh, qos, qod, kob, koh, kos, kod,
+                 cb, cs, cr, cd, sb, ss, sr, sd,
+                 D: tl.constexpr, RD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                 BLOCK_TAIL: tl.constexpr, IN_PAIRS: tl.constexpr, OUT_PAIRS: tl.constexpr, COS_MODE: tl.constexpr,
+                 ROWS3: tl.constexpr, INVERSE: tl.constexpr, COPY_TAIL: tl.constexpr, UPCAST: tl.constexpr):
+    """Programs [0, q_programs) rotate rows of q, the rest rows of k: q and k in one launch."""
+    pid = tl.program_id(0)
+    if pid < q_programs:
+        _rotate_rows(q_ptr, qo_ptr, qb, qh, qs, qd, qob, qoh, qos, qod, cos_ptr, sin_ptr, cb, cs, cr, cd,
+                     sb, ss, sr, sd, sec0, sec1, pid * BLOCK_R, q_rows, seq, hq,
+                     D, RD, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, IN_PAIRS, OUT_PAIRS, COS_MODE, ROWS3, INVERSE,
+                     COPY_TAIL, UPCAST)
+    else:
+        _rotate_rows(k_ptr, ko_ptr, kb, kh, ks, kd, kob, koh, kos, kod, cos_ptr, sin_ptr, cb, cs, cr, cd,
+                     sb, ss, sr, sd, sec0, sec1, (pid - q_programs) * BLOCK_R, k_rows, seq, hk,
+                     D, RD, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, IN_PAIRS, OUT_PAIRS, COS_MODE, ROWS3, INVERSE,
+                     COPY_TAIL, UPCAST)
+
+
+_COS_MODES = {"neox": 0, "pairs": 1, "half": 2}
+
+
+class Layout:
+    """What one call needs to know beside the tensors (hashable; the same for forward and backward)."""
+
+    __slots__ = ("in_pairs", "out_pairs", "cos_mode", "section")
+
+    def __init__(self, rotation, gptj_cos, section):
+        # rotation after the plan: "neox", "gptj" or "deinterleave" (pairs in, halves out, NeoX cos)
+        self.in_pairs = rotation in ("gptj", "deinterleave")
+        self.out_pairs = rotation == "gptj"
+        self.cos_mode = _COS_MODES["neox" if rotation != "gptj" else (gptj_cos or "pairs")]
+        self.section = tuple(section) if section is not None else None
+
+
+def _bhsd(x, seq_dim):
+    """A (batch, heads, seq, dim) view of x, whichever of the two layouts it has (no copy)."""
+    return x if seq_dim == 2 else x.transpose(1, 2)
+
+
+def _launch(q, k, qo, ko, cos, sin, layout, seq_dim, inverse):
+    """One launch over q's rows and k's (k=None: q's only)."""
+    global launches
+    only_q = k is None
+    if only_q:
+        k, ko = q, qo
+    q4, k4, qo4, ko4 = (_bhsd(t, seq_dim) for t in (q, k, qo, ko))
+    batch, hq, seq, dim = q4.shape
+    hk = 0 if only_q else k4.shape[1]
+    rows3 = cos.dim() == 4
+    rd = cos.shape[-1]
+    if inverse:  # the backward reads what the forward wrote, and writes where the forward read
+        in_pairs, out_pairs = layout.out_pairs, layout.in_pairs
+    else:
+        in_pairs, out_pairs = layout.in_pairs, layout.out_pairs
+
+    def trig_strides(t):
+        # (batch, seq, row, dim) strides; a batch of 1 broadcasts over q's batch
+        tb = t[0] if rows3 else t
+        return ((0 if tb.shape[0] == 1 else tb.stride(0)), tb.stride(1), t.stride(0) if rows3 else 0, tb.stride(2))
+
+    sec0, sec1 = (layout.section[0], layout.section[1]) if rows3 else (0, 0)
+    block_half = triton.next_power_of_2(max(rd // 2, 1))
+    block_r = max(1, _TILE // block_half)
+    q_rows, k_rows = batch * seq * hq, batch * seq * hk
+    q_programs = triton.cdiv(q_rows, block_r)
+    _rope_kernel[(q_programs + triton.cdiv(k_rows, block_r),)](
+        q4, k4, qo4, ko4, cos, sin, seq, hq, hk, q_rows, k_rows, q_programs, sec0, sec1,
+        *q4.stride(), *k4.stride(), *qo4.stride(), *ko4.stride(), *trig_strides(cos), *trig_strides(sin),
+        D=dim, RD=rd, BLOCK_R=block_r, BLOCK_HALF=block_half, BLOCK_TAIL=triton.next_power_of_2(max(dim - rd, 1)),
+        IN_PAIRS=in_pairs, OUT_PAIRS=out_pairs, COS_MODE=layout.cos_mode, ROWS3=rows3,
+        INVERSE=inverse, COPY_TAIL=(dim > rd and qo is not q), UPCAST=q.dtype in (torch.float16, torch.bfloat16),
+    )
+    launches += 1
+
+
+class _TritonRope(torch.autograd.Function):
+    """q and k rotated in one launch; backward = the inverse rotation in one launch (saves cos/sin only)."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, layout, seq_dim, inplace):
+        if inplace:
+            qo, ko = q, k
+        else:
+            qo, ko = torch.empty_like(q), torch.empty_like(k)
+        _launch(q, k, qo, ko, cos, sin, layout, seq_dim, inverse=False)
+        if inplace:
+            ctx.mark_dirty(q, k)
+        ctx.save_for_backward(cos, sin)
+        ctx.layout, ctx.seq_dim = layout, seq_dim
+        return qo, ko
+
+    @staticmethod
+    def backward(ctx, gq, gk):
+        # grads arrive materialised (an unused output's grad is zeros), possibly strided or expanded
+        cos, sin = ctx.saved_tensors
+        dq = torch.empty(gq.shape, dtype=gq.dtype, device=gq.device)
+        dk = torch.empty(gk.shape, dtype=gk.dtype, device=gk.device)
+        _launch(gq, gk, dq, dk, cos, sin, ctx.layout, ctx.seq_dim, inverse=True)
+        return dq, dk, None, None, None, None, None
+
+
+class _TritonRopeOne(torch.autograd.Function):
+    """One tensor rotated in place: autograd allows a Function that writes into a view (``proj(x).view(...)``)
+    only with a single output, so views that need gradients take one launch each."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, layout, seq_dim):
+        _launch(x, None, x, None, cos, sin, layout, seq_dim, inverse=False)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(cos, sin)
+        ctx.layout, ctx.seq_dim = layout, seq_dim
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        dx = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+        _launch(grad, None, dx, None, cos, sin, ctx.layout, ctx.seq_dim, inverse=True)
+        return dx, None, None, None, None
+
+
+def interpreted():
+    """Whether Triton runs kernels in its interpreter (CPU tensors) in this process."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def rope(q, k, cos, sin, layout, seq_dim, inplace=False):
+    """Rotate q and k. cos/sin: (batch or 1, seq, rd) or unfolded (3, batch or 1, seq, rd), not unsqueezed."""
+    if inplace and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad) and \
+            (q._base is not None or k._base is not None):
+        return (_TritonRopeOne.apply(q, cos, sin, layout, seq_dim), _TritonRopeOne.apply(k, cos, sin, layout, seq_dim))
+    return _TritonRope.apply(q, k, cos, sin, layout, seq_dim, inplace)
