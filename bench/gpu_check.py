@@ -1,15 +1,19 @@
-"""GPU checks for a lent accelerator: flash-attn's varlen path against the exact fallback.
+"""GPU checks for a lent accelerator, one script of at most ~5 minutes on one GPU.
 
-    python bench/gpu_check.py            # needs CUDA; flash-attn optional (reported when missing)
+    python bench/gpu_check.py            # needs CUDA; flash-attn and liger-kernel optional (reported when missing)
 
 1. varlen_attention on CUDA bf16 with flash-attn, and PyTorch's varlen_attn (causal and windowed), vs the
    SDPA fallback (forward and gradients).
 2. A patched tiny Qwen2-VL on a packed batch vs the unpatched model on the padded batch, on CUDA.
 3. apply_rope native vs upstream on CUDA (fp32 and bf16).
+4. RoPE speed, bf16, Qwen2.5-VL-7B and GLM-4.1V-9B head shapes at 16k and 64k tokens, side by side in one
+   run: the fused Triton kernel vs upstream vs the compact composite vs Liger-Kernel's RoPE (Qwen shape: Liger
+   has no GPT-J kernel) vs a bandwidth copy (``q.clone(); k.clone()``, the physical limit), forward and
+   forward+backward, with the Triton result checked against upstream's. Targets: Triton forward within 1.3x
+   of the copy, forward+backward at most 0.5x upstream's, faster than Liger's.
 Prints one line per check with the max abs difference and the tolerance; exits non-zero on failure.
 """
 
-import sys
 
 import torch
 
@@ -67,8 +71,91 @@ def main():
     finally:
         torch.set_default_device("cpu")
     del varlen
+    failures += rope_speed(dev)
     return 1 if failures else 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def cuda_ms(fn, repeats=20, setup=None):
+    """Median milliseconds of fn on the GPU (CUDA events around each call; setup outside the timing)."""
+    times = []
+    for i in range(repeats + 3):
+        args = setup() if setup else ()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*args)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:  # warm-up: Triton compiles, caches fill
+            times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _liger(cos):
+    """Liger-Kernel's RoPE in upstream's calling convention, or None (not installed)."""
+    try:
+        if cos.dim() == 4:
+            from liger_kernel.transformers.qwen2vl_mrope import liger_multimodal_rotary_pos_emb as fn
+            return fn
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+        return lambda q, k, c, s, section=None: liger_rotary_pos_emb(q, k, c, s)
+    except ImportError:
+        return None
+
+
+def rope_row(name, tokens, dev):
+    """One shape and length: timings, ratios, and the Triton result checked against upstream's."""
+    from rope import SHAPES, inputs  # bench/rope.py, beside this script
+
+    from tfcompat.config import rope_parameters
+    from tfcompat.rope import apply_rope, apply_rope_
+
+    config, cos, sin, q, k, gq, gk = inputs(name, tokens, torch.bfloat16, dev)
+    section = rope_parameters(config).mrope_section
+    liger = _liger(cos) if SHAPES[name][0] == "qwen2_5_vl" else None
+
+    def rope(impl):
+        return lambda a=q, b=k: apply_rope(a, b, cos, sin, config=config, impl=impl)
+
+    got, want = rope("triton")(), rope("upstream")()
+    diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
+    # bf16: upstream rounds three times, the kernel once (the tolerance of tests/_helpers.TOL)
+    ok = all(torch.isclose(a.float(), b.float(), rtol=2 ** -7, atol=2 ** -6).all().item() for a, b in zip(got, want))
+
+    def fwd_bwd(fn):
+        def setup():
+            return q.detach().clone().requires_grad_(True), k.detach().clone().requires_grad_(True)
+
+        return cuda_ms(lambda a, b: torch.autograd.backward(fn(a, b), (gq, gk)), setup=setup)
+
+    r = {"copy": cuda_ms(lambda: (q.clone(), k.clone())), "triton": cuda_ms(rope("triton")),
+         "inplace": cuda_ms(lambda a, b: apply_rope_(a, b, cos, sin, config=config, impl="triton"),
+                            setup=lambda: (q.clone(), k.clone())),
+         "upstream": cuda_ms(rope("upstream")), "composite": cuda_ms(rope("composite")),
+         "fb_triton": fwd_bwd(rope("triton")), "fb_upstream": fwd_bwd(rope("upstream"))}
+    if liger is not None:
+        r["liger"] = cuda_ms(lambda: liger(q, k, cos, sin, section))
+        r["fb_liger"] = fwd_bwd(lambda a, b: liger(a, b, cos, sin, section))
+    na = float("nan")
+    print(f"{name:<14}{tokens:>7}{r['copy']:9.3f}{r['triton']:8.3f}{r['inplace']:7.3f}{r['upstream']:8.3f}"
+          f"{r['composite']:7.3f}{r.get('liger', na):7.3f}{r['triton'] / r['copy']:9.2f}"
+          f"{r['fb_triton']:8.3f}{r['fb_upstream']:8.3f}{r.get('fb_liger', na):9.3f}"
+          f"{r['fb_triton'] / r['fb_upstream']:10.2f}{r['triton'] / r.get('liger', na):10.2f}"
+          f"  [{'ok' if ok else 'FAIL'} max|triton-upstream| {diff:.3g}]", flush=True)
+    return 0 if ok else 1
+
+
+def rope_speed(dev):
+    from rope import SHAPES  # bench/rope.py, beside this script
+
+    from tfcompat.rope import impl_for
+
+    print(f"apply_rope impl='auto' on CUDA: {impl_for(dev)}")
+    print(f"{'shape':<14}{'tokens':>7}{'copy ms':>9}{'triton':>8}{'inpl':>7}{'upstr':>8}{'comp':>7}{'liger':>7}"
+          f"{'tri/copy':>9}{'fb tri':>8}{'fb up':>8}{'fb liger':>9}{'fb tri/up':>10}{'tri/liger':>10}")
+    failures = 0
+    for name in SHAPES:
+        for tokens in (16384, 65536):
+            failures += rope_row(name, tokens, dev)
+            torch.cuda.empty_cache()
+    print("targets: tri/copy <= 1.3, fb tri/up <= 0.5, tri/liger < 1 (liger: Qwen shape only; nan where absent)")
+    return failures

@@ -44,17 +44,22 @@ def median_ms(fn, repeats, setup=None):
     return statistics.median(times[1:])
 
 
-def bench(name, tokens, dtype, repeats):
+def inputs(name, tokens, dtype, device="cpu"):
+    """config, cos, sin (as the release's rotary module returns them), q, k (projection views), gq, gk."""
     family, hq, hkv, head_dim, section = SHAPES[name]
     config = _config(family, head_dim, section)
-    rot = _resolve.resolve("rope.init", family).target(config=text_config(config))
-    g = torch.Generator().manual_seed(0)
-    pos = torch.randint(0, 4096, (3, 1, tokens), generator=g)
-    cos, sin = rot(torch.zeros(1, dtype=dtype), pos)
+    rot = _resolve.resolve("rope.init", family).target(config=text_config(config)).to(device)
+    g = torch.Generator(device=device).manual_seed(0)
+    pos = torch.randint(0, 4096, (3, 1, tokens), generator=g, device=device)
+    cos, sin = rot(torch.zeros(1, dtype=dtype, device=device), pos)
     # q/k as the attention has them: (b, s, h, d) projections viewed as (b, h, s, d)
-    q = torch.randn(1, tokens, hq, head_dim, generator=g).to(dtype).transpose(1, 2)
-    k = torch.randn(1, tokens, hkv, head_dim, generator=g).to(dtype).transpose(1, 2)
-    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    q = torch.randn(1, tokens, hq, head_dim, generator=g, device=device).to(dtype).transpose(1, 2)
+    k = torch.randn(1, tokens, hkv, head_dim, generator=g, device=device).to(dtype).transpose(1, 2)
+    return config, cos, sin, q, k, torch.randn_like(q), torch.randn_like(k)
+
+
+def bench(name, tokens, dtype, repeats):
+    config, cos, sin, q, k, gq, gk = inputs(name, tokens, dtype)
     out_q, out_k = torch.empty_like(q), torch.empty_like(k)
 
     r = {}
