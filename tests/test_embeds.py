@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from tfcompat._families import FAMILIES as SPECS
-from tfcompat.embeds import EmbedsError, get_input_embeds, rope_index, unpack_visual_output
+from tfcompat.embeds import (
+    EmbedsError,
+    dummy_visual_zero,
+    get_input_embeds,
+    mm_token_type_ids,
+    rope_index,
+    unpack_visual_output,
+)
 
 from _helpers import installed
 from _models import (
@@ -17,7 +24,7 @@ from _models import (
     video_seconds,
 )
 
-VISION = [n for n in installed() if SPECS[n].vision]
+VISION = [n for n in installed() if SPECS[n].vision and not SPECS[n].embeds_refusal]
 CASES = {"image": (1, 0), "video": (0, 1), "both": (1, 1), "neither": (0, 0)}
 
 
@@ -222,3 +229,16 @@ def test_pack_requires_mrope_positions_for_vision_tokens(name):
     assert packed_batch.position_ids.shape == (4, 1, int(mask.sum()))
     text_only, text_mask = padded([tiny_sequence(name, text=4)])
     assert pack(text_only, text_mask, config=config).position_ids.shape[0] == 1
+
+
+@pytest.mark.parametrize("name", [n for n in installed() if SPECS[n].embeds_refusal])
+def test_families_embeds_cannot_serve_are_refused_by_name(name):
+    model = tiny_model(name)
+    ids = torch.tensor([[10, 11, 12]])
+    calls = {"get_input_embeds": lambda: get_input_embeds(model, ids), "rope_index": lambda: rope_index(model, ids),
+             "rope_index from a config": lambda: rope_index(model.config, ids),
+             "mm_token_type_ids": lambda: mm_token_type_ids(model.config, ids),
+             "dummy_visual_zero": lambda: dummy_visual_zero(model)}
+    for what, call in calls.items():
+        with pytest.raises(EmbedsError, match=f"does not serve {name}: "):
+            call()

@@ -1,5 +1,7 @@
 """Patched model on a packed batch == unpatched model on the padded batch (logits and every gradient)."""
 
+import re
+
 import pytest
 import torch
 
@@ -207,10 +209,11 @@ def test_bare_text_model(name):
 
 @pytest.mark.parametrize("name", [n for n in installed() if SPECS[n].patch_refusal])
 def test_families_patch_cannot_serve_are_refused_by_name_and_reason(name):
-    """Sparse-attention (indexer) and MLA decoders: patch refuses before touching the model; RoPE still works."""
+    """Sparse-attention (indexer), MLA and VQ-image decoders: patch refuses before touching the model, naming the
+    family and the table's reason; RoPE still works."""
     model = tiny_model(name, num_hidden_layers=1)
     before = {k: v for k, v in vars(model).items() if k == "forward"}
-    with pytest.raises(UnsupportedTransformersError, match=f"cannot serve {name}: .*(indexer|latent)"):
+    with pytest.raises(UnsupportedTransformersError, match=f"cannot serve {name}: {re.escape(SPECS[name].patch_refusal)}"):
         tfcompat.patch(model)
     assert {k: v for k, v in vars(model).items() if k == "forward"} == before
     assert all("forward" not in vars(m) for m in model.modules())

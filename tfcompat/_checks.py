@@ -191,7 +191,7 @@ def _always(fam):
 
 
 def _vision(fam):
-    return fam.vision
+    return fam.vision and not fam.embeds_refusal  # the others refuse tfcompat.embeds with the reason (tested)
 
 
 def _patchable(fam):

@@ -53,6 +53,8 @@ class Family:
     text_family: str = ""
     #: why tfcompat.patch cannot serve this family's attention ("": it can); rope still works
     patch_refusal: str = ""
+    #: why tfcompat.embeds cannot serve this vision family's inputs ("": it can)
+    embeds_refusal: str = ""
     #: the text decoder has no rotary position embedding (NoPE): apply_rope / rope_parameters refuse
     nope: bool = False
     # ---- tiny random-weight configs (tfcompat.testing): data, so adding a family is one entry
@@ -101,6 +103,10 @@ _SPARSE = ("its attention selects keys per query with a learned top-k indexer (D
            "varlen attention would attend to every key, so tfcompat does not patch it")
 _MLA_REFUSAL = ("its multi-head latent attention (MLA) projects q/k and v to different widths through low-rank "
                 "adapters; tfcompat's packed attention serves the q/k/v attention of the other families only")
+_VQ_REFUSAL = ("GLM-Image generates images as VQ tokens: its decoder's inputs and targets come from a VQ tokenizer "
+               "that tfcompat's packed vision-language forward does not cover")
+_NOPE_REFUSAL = ("its decoder has no rotary position embedding (NoPE) and a sparse top-k indexer, hyper-connections "
+                 "and linear attention that tfcompat's packed forward does not cover")
 
 FAMILIES = {
     f.name: f
@@ -164,6 +170,13 @@ FAMILIES = {
                aliases=("glm_ocr_text",), since="5.3.0", vision=True,
                config_class="GlmOcrConfig", text_config_class="GlmOcrTextConfig", video_frames_as_image_tokens=True,
                tiny_section=(2, 3, 3), tiny_partial=0.5, tiny_vision=_GLM_VISION),
+        Family("glm_image", "glm_image", "GlmImage", "GlmImageTextAttention", "GlmImageTextRotaryEmbedding", "neox",
+               mrope="contiguous", default_mrope_section=(8, 12, 12), reads_partial_rotary=True,
+               aliases=("glm_image_text",), since="5.0.0", vision=True, config_class="GlmImageConfig",
+               text_config_class="GlmImageTextConfig", patch_refusal=_VQ_REFUSAL, embeds_refusal=_VQ_REFUSAL,
+               tiny_section=(2, 3, 3),
+               tiny_partial=0.5, tiny_vision=_GLM_VISION,
+               tiny_top=dict(vq_config=dict(embed_dim=16, num_embeddings=32, latent_channels=16))),
         Family("qwen3_vl", "qwen3_vl", "Qwen3VL", "Qwen3VLTextAttention", "Qwen3VLTextRotaryEmbedding", "neox",
                mrope="interleaved", default_mrope_section=(24, 20, 20), aliases=("qwen3_vl_text",),
                since="4.57.0", vision=True, video_block_per_frame=True,

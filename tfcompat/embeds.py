@@ -116,6 +116,14 @@ def _video_segments(input_ids, start_id, end_id):
     return starts > ends
 
 
+def _served(config_or_model, what):
+    """The family of a config or model, if tfcompat.embeds serves it; else an EmbedsError saying why not."""
+    fam = _family(getattr(config_or_model, "config", config_or_model))
+    if fam.embeds_refusal:
+        raise EmbedsError(f"{what}: tfcompat.embeds does not serve {fam.name}: {fam.embeds_refusal}")
+    return fam
+
+
 def mm_token_type_ids(config_or_model: Any, input_ids: torch.Tensor) -> torch.Tensor:
     """0 for text, 1 for image tokens, 2 for video tokens (GLM marks video frames with image tokens
     between its video start/end tokens), as the 5.3+ processors produce them.
@@ -124,7 +132,7 @@ def mm_token_type_ids(config_or_model: Any, input_ids: torch.Tensor) -> torch.Te
     import torch
 
     config = getattr(config_or_model, "config", config_or_model)
-    fam = _family(config)
+    fam = _served(config, "mm_token_type_ids")
     image_id = getattr(config, "image_token_id", None)
     video_id = getattr(config, "video_token_id", None)
     types = torch.zeros_like(input_ids, dtype=torch.int32)
@@ -149,6 +157,7 @@ def dummy_visual_inputs(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Ten
     ``merge x merge`` patches (one merged token)."""
     import torch
 
+    _served(model, "dummy_visual_inputs")
     owner: Any = _vl_model(model)
     config: Any = owner.config if hasattr(owner.config, "vision_config") else model.config
     vc = config.vision_config
@@ -223,8 +232,8 @@ def get_input_embeds(model: torch.nn.Module, input_ids: torch.Tensor, *, pixel_v
         match the pixels.
     """
 
+    fam = _served(model, "get_input_embeds")
     owner = _vl_model(model)
-    fam = _family(model.config)
     get_embeddings: Any = model.get_input_embeddings  # a PreTrainedModel method; nn.Module does not declare it
     embeds = get_embeddings()(input_ids)
     image_mask, video_mask = _masks(model, input_ids)
@@ -302,6 +311,7 @@ def _rope_index_method(config_or_model):
     defines it (nothing is built: no vision tower, no weights), for data-loading workers."""
     import torch
 
+    _served(config_or_model, "rope_index")
     if isinstance(config_or_model, torch.nn.Module):
         model = config_or_model
         owner = getattr(model, "model", None)
