@@ -213,7 +213,8 @@ def test_families_patch_cannot_serve_are_refused_by_name_and_reason(name):
     family and the table's reason; RoPE still works."""
     model = tiny_model(name, num_hidden_layers=1)
     before = {k: v for k, v in vars(model).items() if k == "forward"}
-    with pytest.raises(UnsupportedTransformersError, match=f"cannot serve {name}: {re.escape(SPECS[name].patch_refusal)}"):
+    reason = re.escape(SPECS[name].patch_refusal)
+    with pytest.raises(UnsupportedTransformersError, match=f"cannot serve {name}: {reason}"):
         tfcompat.patch(model)
     assert {k: v for k, v in vars(model).items() if k == "forward"} == before
     assert all("forward" not in vars(m) for m in model.modules())
