@@ -40,6 +40,11 @@ def installed():
     return _resolve.installed_families()
 
 
+def rotary_families():
+    """Installed families whose text decoder has a rotary position embedding (NoPE ones refuse apply_rope: tested)."""
+    return [n for n in installed() if not FAMILIES[n].nope]
+
+
 def patchable():
     """Installed families tfcompat.patch serves (the rest refuse it with a reason: tested in test_patch)."""
     return [n for n in installed() if not FAMILIES[n].patch_refusal]

@@ -9,9 +9,9 @@ from tfcompat._families import FAMILIES as SPECS
 from tfcompat.config import rope_parameters, text_config
 from tfcompat.testing import TINY_SECTIONS, tiny_config
 
-from _helpers import installed, rotary
+from _helpers import rotary, rotary_families
 
-FAMILIES = installed()
+FAMILIES = rotary_families()
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -20,10 +20,10 @@ from tfcompat.packing import pack, packed, unpack
 from tfcompat.rope import apply_rope, apply_rope_
 from tfcompat.varlen import cu_seqlens_from_position_ids, varlen_attention
 
-from _helpers import TOL, installed, position_ids, rope_impls, rotary, upstream_rope
+from _helpers import TOL, position_ids, rope_impls, rotary, rotary_families, upstream_rope
 from _models import padded, tiny_model, tiny_sequence
 
-FAMILIES = installed()
+FAMILIES = rotary_families()
 NAME = "qwen2" if "qwen2" in FAMILIES else FAMILIES[0]
 VL = next(n for n in ("qwen2_vl", "qwen2_5_vl") if n in FAMILIES)
 OUTCOMES = collections.Counter()

@@ -218,4 +218,8 @@ def test_families_patch_cannot_serve_are_refused_by_name_and_reason(name):
         tfcompat.patch(model)
     assert {k: v for k, v in vars(model).items() if k == "forward"} == before
     assert all("forward" not in vars(m) for m in model.modules())
-    assert tfcompat.config.rope_parameters(model.config).rotary_dim > 0
+    if SPECS[name].nope:
+        with pytest.raises(tfcompat.errors.ConfigError, match="no rotary position embedding"):
+            tfcompat.config.rope_parameters(model.config)
+    else:
+        assert tfcompat.config.rope_parameters(model.config).rotary_dim > 0

@@ -128,6 +128,10 @@ def test_probes_without_source_use_declared_facts_or_fail(monkeypatch, name):
         assert got.reads_partial_rotary == want.reads_partial_rotary, "declared fact disagrees with the probe"
         assert got.default_mrope_section == want.default_mrope_section, "declared fact disagrees with the probe"
         assert any("cannot read the source" in str(w.message) for w in caught)
+        if SPECS[name].nope:  # the declared fact (no rotary) decides, with a warning
+            with pytest.warns(RuntimeWarning, match="cannot read the source"):
+                assert _resolve.resolve("rope.apply", name).impl == "none"
+            return
         with pytest.raises(UnsupportedTransformersError, match="cannot read the source"):
             _resolve.resolve("rope.apply", name)
     finally:

@@ -3,12 +3,13 @@
 import pytest
 import torch
 
+from tfcompat._families import FAMILIES as SPECS
 from tfcompat.config import rope_parameters
 from tfcompat.rope import apply_rope, apply_rope_
 
-from _helpers import TOL, installed, position_ids, rope_impls, rotary, triton_ready, upstream_rope
+from _helpers import TOL, installed, position_ids, rope_impls, rotary, rotary_families, triton_ready, upstream_rope
 
-FAMILIES = installed()
+FAMILIES = rotary_families()
 SHAPES = [(1, 1), (1, 7), (2, 33), (3, 65)]
 
 
@@ -256,3 +257,20 @@ def test_auto_is_device_aware():
         has_triton = False
     assert impl_for("cuda:0") == ("triton" if has_triton else "composite")
     assert impl_for("mps") == "composite"
+
+
+@pytest.mark.parametrize("name", [n for n in installed() if SPECS[n].nope])
+def test_nope_families_refuse_rope_by_name(name):
+    """A decoder without rotary (GLM-5-Next): nothing to rotate, no RoPE parameters; report says so."""
+    from tfcompat import _resolve
+    from tfcompat.errors import ConfigError
+    from tfcompat.testing import tiny_config
+
+    config = tiny_config(name)
+    q = torch.randn(1, 2, 3, 8)
+    with pytest.raises(ConfigError, match=f"apply_rope for {name}: .*no rotary position embedding"):
+        apply_rope(q, q.clone(), q[0], q[0], config=config)
+    with pytest.raises(ConfigError, match=f"rope_parameters for {name}: .*no rotary position embedding"):
+        rope_parameters(config)
+    assert {r.impl for r in _resolve.report([name]) if r.capability.startswith("rope.") and ":" in r.capability} == \
+        {"none"}

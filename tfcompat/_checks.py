@@ -190,6 +190,10 @@ def _always(fam):
     return True
 
 
+def _rotary(fam):
+    return not fam.nope  # NoPE decoders refuse apply_rope and rope_parameters (a test asserts it)
+
+
 def _vision(fam):
     return fam.vision and not fam.embeds_refusal  # the others refuse tfcompat.embeds with the reason (tested)
 
@@ -199,10 +203,10 @@ def _patchable(fam):
 
 
 CHECKS = (
-    ("config.rope_parameters", lambda n: _config_vs_rotary(n), _always),
-    ("rope.native.fp32", lambda n: _rope_vs_upstream(n, _dtype("float32"), inplace=False), _always),
-    ("rope.inplace.fp32", lambda n: _rope_vs_upstream(n, _dtype("float32"), inplace=True), _always),
-    ("rope.native.bf16", lambda n: _rope_vs_upstream(n, _dtype("bfloat16"), inplace=False), _always),
+    ("config.rope_parameters", lambda n: _config_vs_rotary(n), _rotary),
+    ("rope.native.fp32", lambda n: _rope_vs_upstream(n, _dtype("float32"), inplace=False), _rotary),
+    ("rope.inplace.fp32", lambda n: _rope_vs_upstream(n, _dtype("float32"), inplace=True), _rotary),
+    ("rope.native.bf16", lambda n: _rope_vs_upstream(n, _dtype("bfloat16"), inplace=False), _rotary),
     ("attention.packed", lambda n: _packed_vs_padded(n), _patchable),
     ("embeds.image", lambda n: _embeds_vs_model(n, 1), _vision),
     ("embeds.dummy", lambda n: _embeds_vs_model(n, 0), _vision),

@@ -23,7 +23,7 @@ class Family:
     attention: str
     rotary: str
     #: "neox": rotate the two halves of the rotary width; "gptj": rotate adjacent pairs; "deinterleave":
-    #: DeepSeek's layout (adjacent pairs in, the two halves out: MLA's rope_interleave)
+    #: DeepSeek's layout (adjacent pairs in, the two halves out: MLA's rope_interleave); "none": NoPE
     rotation: str
     #: "none", "contiguous" (Qwen2-VL, GLM-4V T/H/W blocks), "interleaved" (Qwen3-VL, Qwen3.5)
     mrope: str = "none"
@@ -107,6 +107,8 @@ _VQ_REFUSAL = ("GLM-Image generates images as VQ tokens: its decoder's inputs an
                "that tfcompat's packed vision-language forward does not cover")
 _NOPE_REFUSAL = ("its decoder has no rotary position embedding (NoPE) and a sparse top-k indexer, hyper-connections "
                  "and linear attention that tfcompat's packed forward does not cover")
+_NOPE_EMBEDS = ("its vision inputs are not yet compared with upstream's forward; build its embeddings with the "
+                "model's own forward")
 
 FAMILIES = {
     f.name: f
@@ -177,6 +179,15 @@ FAMILIES = {
                tiny_section=(2, 3, 3),
                tiny_partial=0.5, tiny_vision=_GLM_VISION,
                tiny_top=dict(vq_config=dict(embed_dim=16, num_embeddings=32, latent_channels=16))),
+        Family("glm5_next", "glm5_next", "Glm5Next", "Glm5NextTextAttention", "", "none", nope=True,
+               aliases=("glm5_next_text",), since="5.17.0", vision=True, config_class="Glm5NextConfig",
+               text_config_class="Glm5NextTextConfig", video_frames_as_image_tokens=True,
+               patch_refusal=_NOPE_REFUSAL, embeds_refusal=_NOPE_EMBEDS,
+               tiny_text=dict(_MOE, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32, v_head_dim=32,
+                              num_key_value_heads=4, index_n_heads=2, index_head_dim=16, index_topk=4, index_kpool=2,
+                              linear_head_dim=16, linear_num_heads=4, hc_mult=2, hc_sinkhorn_iters=2,
+                              layer_types=["linear_attention", "indexed_attention"], mlp_layer_types=None),
+               tiny_vision=dict(image_size=16, projection_intermediate_size=64)),
         Family("qwen3_vl", "qwen3_vl", "Qwen3VL", "Qwen3VLTextAttention", "Qwen3VLTextRotaryEmbedding", "neox",
                mrope="interleaved", default_mrope_section=(24, 20, 20), aliases=("qwen3_vl_text",),
                since="4.57.0", vision=True, video_block_per_frame=True,

@@ -666,8 +666,8 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
     config = getattr(model, "config", None)
     fam = _family(config if config is not None else model)
     if fam.patch_refusal:
-        raise UnsupportedTransformersError(f"tfcompat.patch cannot serve {fam.name}: {fam.patch_refusal}. "
-                                           f"tfcompat.rope.apply_rope and tfcompat.config.rope_parameters still do")
+        still = "" if fam.nope else ". tfcompat.rope.apply_rope and tfcompat.config.rope_parameters still do"
+        raise UnsupportedTransformersError(f"tfcompat.patch cannot serve {fam.name}: {fam.patch_refusal}{still}")
     from .config import rope_parameters, text_config
 
     resolutions = tuple(_resolve.resolve(kind, fam.name) for kind in ("rope.init", "rope.apply", "attention.signature"))

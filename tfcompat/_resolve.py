@@ -164,8 +164,25 @@ def _attr(module, name, capability):
     return obj
 
 
+def _nope(fam, capability, module, plan):
+    """NoPE decoders: the declared fact, confirmed by the attention not calling a rotary function."""
+    attention = _attr(module, fam.attention, capability)
+    rotates = _probe(capability, "whether the attention rotates q/k", attention.forward,
+                     lambda b: bool(re.search(r"apply_\w*rotary\w*\(", b)), False)
+    if rotates:
+        raise UnsupportedTransformersError(
+            f"{capability}: the family table says {fam.name} has no rotary position embedding, but "
+            f"{fam.attention}.forward of transformers {_version.transformers_version()} applies one; please report "
+            f"this release to tfcompat")
+    return Resolution(capability, "none", f"{module.__name__}.{fam.attention}.forward",
+                      f"{fam.attention}.forward applies no rotary position embedding (NoPE): nothing to rotate",
+                      str(_version.transformers_version()), plan)
+
+
 def _resolve_rope_apply(fam, capability):
     module = _modeling(fam, capability)
+    if fam.nope:
+        return _nope(fam, capability, module, RopePlan(rotation="none", cos_rows=0))
     attention = _attr(module, fam.attention, capability)
     body = _probe(capability, "which rotary function the attention calls", attention.forward, lambda b: b)
     where = f"{fam.attention}.forward"
@@ -218,6 +235,8 @@ _SECTION_DEFAULT = re.compile(r"""get\(\s*["']mrope_section["']\s*,\s*\[([\d,\s]
 
 def _resolve_rope_init(fam, capability):
     module = _modeling(fam, capability)
+    if fam.nope:
+        return _nope(fam, capability, module, RopeInitPlan(config_key="", reads_partial_rotary=False))
     rotary = _attr(module, fam.rotary, capability)
     default = getattr(rotary, "compute_default_rope_parameters", None)
     if default is not None:

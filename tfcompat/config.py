@@ -89,7 +89,11 @@ def rope_parameters(config: Any, *, model_type: Optional[str] = None) -> RopePar
     """
     fam = _family(model_type if model_type is not None else config)
     cfg = text_config(config)
-    init = _resolve.resolve("rope.init", fam.name).plan
+    resolution = _resolve.resolve("rope.init", fam.name)
+    if resolution.impl == "none":
+        raise ConfigError(f"rope_parameters for {fam.name}: {resolution.reason} on transformers "
+                          f"{resolution.transformers}; its config has no RoPE parameters")
+    init = resolution.plan
     raw, key = _rope_dict(cfg, init.config_key)
 
     rope_type = raw.get("rope_type", raw.get("type", "default")) or "default"

@@ -152,6 +152,9 @@ def _prepare(q, k, cos, sin, config, model_type, mrope_section, unsqueeze_dim):
             raise RopeShapeError(f"apply_rope for {fam.name}: mrope_section must be 3 non-negative integers "
                                  f"(T, H, W), got {mrope_section!r}")
     res = _resolve.resolve("rope.apply", fam.name)
+    if res.impl == "none":
+        raise ConfigError(f"apply_rope for {fam.name}: {res.reason} on transformers {res.transformers}; its "
+                          f"attention uses q and k as projected (do not call apply_rope for this family)")
     seq_dim = _check(fam, res, q, k, cos, sin, unsqueeze_dim)
     return fam, res, seq_dim
 

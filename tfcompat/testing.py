@@ -33,6 +33,8 @@ def _text_kwargs(fam, key):
         tie_word_embeddings=False, attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )
     kw.update(copy.deepcopy(fam.tiny_text))
+    if fam.nope:  # no rotary: the config has no RoPE settings
+        return kw
     rope = dict(fam.tiny_rope)
     if fam.tiny_section:
         rope["mrope_section"] = list(fam.tiny_section)
