@@ -217,7 +217,10 @@ def test_composite_dispatches_few_ops_and_no_host_sync(name):
     ops, syncs = _dispatched(lambda: apply_rope(q, k, cos, sin, config=config, impl="composite"))
     print(f"{name}: composite {len(ops)} ops, upstream {len(upstream)}")
     assert not syncs, f"{name}: the composite syncs with the host: {syncs}"
-    assert len(ops) <= 12, f"{name}: the composite dispatches {len(ops)} ops (upstream {len(upstream)}): {ops}"
+    # 10 (NeoX), 12 (GPT-J pairs, partial rotary, 3-row cos), 14 (GLM-4V 4.x: 3-row cos, pairs, partial): never
+    # more than upstream's own function (10-16)
+    assert len(ops) <= min(14, len(upstream)), \
+        f"{name}: the composite dispatches {len(ops)} ops (upstream {len(upstream)}): {ops}"
 
 
 @pytest.mark.skipif(not triton_ready(), reason="needs triton in its interpreter (TRITON_INTERPRET=1) or a GPU")

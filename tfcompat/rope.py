@@ -20,7 +20,7 @@ Implementations (``impl=``; the default can be set with the environment variable
 - ``"native"``: tfcompat's CPU-tuned kernels (in-cache slices, backward by inverse rotation);
 - ``"triton"``: one fused Triton launch for q and k, forward and backward (CUDA; on CPU only in
   Triton's interpreter, for tests);
-- ``"composite"``: ``x * cos + swap(x) * signed_sin``, ~10 dispatched ops, no host sync;
+- ``"composite"``: ``x * cos + swap(x) * signed_sin``, 10-14 dispatched ops, no host sync;
 - ``"upstream"``: the installed transformers' own function;
 - ``"auto"`` (default): by device, :func:`impl_for`: native on CPU, triton on CUDA where triton
   imports, else composite. Under ``torch.compile``, and where cos/sin need gradients, the
@@ -265,7 +265,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         model_type: a family name such as ``"glm4v"`` or ``"qwen2_5_vl"``.
         mrope_section: (T, H, W) sections; needed only where cos/sin are 3-row and no config is given.
         impl: "auto" (default: by device, see :func:`impl_for`), "native" (CPU-tuned kernels),
-            "composite" (~10 ops, no host sync), "triton" (one fused launch; CUDA, or CPU in Triton's
+            "composite" (10-14 ops, no host sync), "triton" (one fused launch; CUDA, or CPU in Triton's
             interpreter) or "upstream" (the installed transformers' own function).
 
     Returns:

@@ -3,8 +3,9 @@
     python tools/support_matrix.py .tox/reports > matrix.md
 
 A cell is "yes" when every capability of that family resolved on that release, "rope" when it resolved
-and tfcompat.patch refuses the family (the family table says why), "-" when the release does not ship
-the family, and "no" when something failed to resolve.
+and tfcompat.patch refuses the family (the family table says why), "nope" when the decoder has no rotary
+at all (resolved as "none": apply_rope, rope_parameters and patch refuse it by name), "-" when the release
+does not ship the family, and "no" when something failed to resolve.
 """
 
 import json
@@ -18,6 +19,7 @@ from tfcompat._families import FAMILIES  # noqa: E402  (the checkout's own table
 
 #: families whose attention tfcompat.patch refuses (the reason is in the family table)
 REFUSED = {name for name, fam in FAMILIES.items() if fam.patch_refusal}
+NOPE = {name for name, fam in FAMILIES.items() if fam.nope}
 
 
 def main(folder):
@@ -44,7 +46,8 @@ def main(folder):
         for d in docs:
             mine = [r for r in d["resolutions"] if r["capability"].endswith(":" + fam)]
             ok = all(r["impl"] != "unsupported" for r in mine)
-            cells.append("-" if not mine else "no" if not ok else "rope" if fam in REFUSED else "yes")
+            cells.append("-" if not mine else "no" if not ok else "nope" if fam in NOPE else
+                         "rope" if fam in REFUSED else "yes")
         print(f"| {fam} | " + " | ".join(cells) + " |")
 
 

@@ -171,7 +171,7 @@ class _RopeInplace(_Rope):
 
 
 def compact(q, k, cos, sin, rotation, gptj_cos, unsqueeze_dim):
-    """Both tensors as ``x * cos + swap(x) * signed_sin``: ~10-12 dispatched ops per call, no host sync.
+    """Both tensors as ``x * cos + swap(x) * signed_sin``: 10-14 dispatched ops per call, no host sync.
 
     For launch-bound devices without Triton, and under ``torch.compile`` (the compiler fuses it) or
     when cos/sin need gradients (plain autograd). ``swap`` exchanges the two rotated parts and the
