@@ -1,9 +1,13 @@
-"""Packed (patched, remove padding) vs padded (upstream) forward+backward at ~50% padding.
+"""Packed (patched, remove padding) vs padded (upstream) vs one sequence at a time (upstream), forward+backward.
 
-    python bench/attention.py [--family qwen2_vl] [--batch 8] [--max-len 512] [--repeats 5]
+    python bench/attention.py [--family qwen2_vl] [--batch 8] [--max-len 512] [--hidden 256] [--layers 4]
+    python bench/attention.py --hidden 1024 --layers 2 --max-len 2048 --repeats 3   # realistic sizes
 
-Both runs use the same tiny-but-not-trivial model (hidden 256, 4 layers, 8 heads) and the same
-tokens; the padded batch has every sequence padded to the longest. Prints medians and the ratio.
+All runs use the same model and the same tokens, lengths spread evenly (~50% padding): the padded batch
+has every sequence padded to the longest; "one at a time" runs each sequence alone through upstream, with
+no padding (what a framework without packing does at batch 1). Prints medians and the ratios
+packed/padded and packed/one-at-a-time side by side (target: packed <= one at a time, since packing runs
+the linear layers on all tokens at once).
 """
 
 import argparse
@@ -33,9 +37,12 @@ def main():
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
     args = p.parse_args()
-    over = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-                num_key_value_heads=2, vocab_size=1024)
+    heads = max(8, args.hidden // 128)
+    over = dict(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
+                num_attention_heads=heads, num_key_value_heads=2, head_dim=args.hidden // heads, vocab_size=1024)
     model = tiny_model(args.family, **over).train()
     g = torch.Generator().manual_seed(0)
     # lengths spread evenly so that about half of the padded batch is padding
@@ -56,14 +63,22 @@ def main():
         logits = unpack(model(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False).logits, pk)
         (logits.float() * mask[..., None]).square().mean().backward()
 
+    def one_at_a_time_step():
+        model.zero_grad(set_to_none=True)
+        for row, n in zip(ids, lengths.tolist()):
+            logits = model(input_ids=row[None, :n], use_cache=False).logits
+            (logits.float().square().sum() / mask.sum()).backward()
+
     t_padded = timed(padded_step, args.repeats)
+    t_single = timed(one_at_a_time_step, args.repeats)
     tfcompat.patch(model)
     t_packed = timed(packed_step, args.repeats)
     tfcompat.unpatch(model)
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {args.family}, batch {args.batch}, "
-          f"max len {args.max_len}, padding {padding:.0%}, median of {args.repeats}")
-    print(f"{'padded (upstream) ms':>22}{'packed (tfcompat) ms':>22}{'speed-up':>10}")
-    print(f"{t_padded:22.1f}{t_packed:22.1f}{t_padded / t_packed:10.2f}x")
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {args.family}, hidden {args.hidden}, "
+          f"{args.layers} layers, batch {args.batch}, max len {args.max_len}, padding {padding:.0%}, "
+          f"median of {args.repeats}")
+    print(f"{'padded ms':>11}{'one at a time ms':>18}{'packed ms':>11}{'packed/padded':>15}{'packed/one':>12}")
+    print(f"{t_padded:11.1f}{t_single:18.1f}{t_packed:11.1f}{t_packed / t_padded:15.2f}{t_packed / t_single:12.2f}")
 
 
 if __name__ == "__main__":
