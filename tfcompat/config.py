@@ -83,9 +83,10 @@ def _rope_dict(cfg, key):
 def rope_parameters(config: Any, *, model_type: Optional[str] = None) -> RopeParameters:
     """The :class:`RopeParameters` of ``config`` (top-level or text config) on the installed release.
 
-    >>> rp = rope_parameters(model.config)            # doctest: +SKIP
-    >>> rp.rope_theta, rp.mrope_section, rp.rotary_dim  # doctest: +SKIP
-    (1000000.0, (16, 24, 24), 128)
+    >>> from tfcompat.testing import tiny_config
+    >>> rp = rope_parameters(tiny_config("qwen2_5_vl"))   # a top-level or text config, on any release
+    >>> rp.rope_theta, rp.mrope_section, rp.rotary_dim
+    (10000.0, (4, 6, 6), 32)
     """
     fam = _family(model_type if model_type is not None else config)
     cfg = text_config(config)

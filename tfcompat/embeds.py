@@ -11,6 +11,14 @@
 * :func:`rope_index`: the model's own 3-D mRoPE position ids, wherever the release keeps
   ``get_rope_index`` and whatever it requires (``mm_token_type_ids`` from 5.3).
 
+    >>> import torch
+    >>> from tfcompat.embeds import rope_index
+    >>> from tfcompat.testing import tiny_config, tiny_sequence
+    >>> ids = torch.tensor([tiny_sequence("qwen2_vl", text=3, image=True)])   # 2 text, image (4 tokens), 1 text
+    >>> positions, deltas = rope_index(tiny_config("qwen2_vl"), ids, image_grid_thw=torch.tensor([[1, 4, 4]]))
+    >>> positions[:, 0].tolist()    # T, H, W rows: a config is enough (data-loading workers have no model)
+    [[0, 1, 2, 3, 3, 3, 3, 5, 6], [0, 1, 2, 3, 3, 4, 4, 5, 6], [0, 1, 2, 3, 4, 3, 4, 5, 6]]
+
 .. versionadded:: 0.1.0
 """
 

@@ -1,8 +1,18 @@
 """Turn a padded batch into one packed row of tokens, and scatter packed outputs back.
 
-    packed = pack(input_ids, attention_mask, position_ids=model_3d_position_ids)
-    out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
-    logits = unpack(out.logits, packed)          # (batch, seq, vocab), zeros at padding
+    >>> import torch
+    >>> from tfcompat.packing import pack, unpack
+    >>> ids = torch.tensor([[5, 6, 7], [8, 9, 0]])
+    >>> mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    >>> packed = pack(ids, mask)
+    >>> packed.input_ids, packed.position_ids, packed.cu_seqlens.tolist()
+    (tensor([[5, 6, 7, 8, 9]]), tensor([[0, 1, 2, 0, 1]]), [0, 3, 5])
+    >>> unpack(packed.input_ids[..., None].float(), packed)[..., 0]   # back to (batch, seq), zeros at padding
+    tensor([[5., 6., 7.],
+            [8., 9., 0.]])
+
+With a patched model: ``model(input_ids=packed.input_ids, position_ids=packed.position_ids)``, then
+``unpack(out.logits, packed)``; vision-language families pass their 3-row mRoPE ids to ``pack``.
 
 Packed position ids of vision-language families have four rows: the text row first (each
 sequence counts 0, 1, 2, ...), then the model's own T/H/W mRoPE rows. The text row is

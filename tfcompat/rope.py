@@ -1,8 +1,14 @@
 """Apply rotary position embeddings exactly as the installed transformers' attention does.
 
-    >>> from tfcompat.rope import apply_rope                  # doctest: +SKIP
-    >>> cos, sin = position_embeddings   # what the model's text rotary module returned
-    >>> q, k = apply_rope(q, k, cos, sin, config=self.config)
+    >>> import torch
+    >>> from tfcompat.rope import apply_rope
+    >>> from tfcompat.testing import tiny_model
+    >>> model = tiny_model("qwen2")                      # random weights, nothing downloaded
+    >>> q, k = torch.randn(1, 4, 5, 32), torch.randn(1, 2, 5, 32)     # (batch, heads, seq, head_dim)
+    >>> cos, sin = model.model.rotary_emb(q, torch.arange(5)[None])  # what the text rotary module returns
+    >>> q_rot, k_rot = apply_rope(q, k, cos, sin, config=model.config)
+    >>> q_rot.shape, torch.allclose(q_rot, apply_rope(q, k, cos, sin, config=model.config, impl="upstream")[0])
+    (torch.Size([1, 4, 5, 32]), True)
 
 Shapes: q, k are (batch, heads, seq, head_dim) with ``unsqueeze_dim=1`` (or
 (batch, seq, heads, head_dim) with ``unsqueeze_dim=2``); cos, sin are

@@ -9,6 +9,15 @@ the tensors are on CUDA in fp16/bf16; else PyTorch's own ``varlen_attn`` on CUDA
 installed torch has it; elsewhere an exact per-sequence scaled-dot-product fallback computes
 the same numbers (:func:`backend` says which; ``tfcompat report`` lists it).
 
+    >>> import torch
+    >>> from tfcompat.varlen import cu_seqlens_from_position_ids, varlen_attention
+    >>> cu, longest = cu_seqlens_from_position_ids(torch.tensor([[0, 1, 2, 0, 1]]))
+    >>> cu.tolist(), longest
+    ([0, 3, 5], 3)
+    >>> q, k, v = torch.randn(5, 4, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    >>> varlen_attention(q, k, v, cu).shape     # (total_tokens, heads, head_dim), causal per sequence
+    torch.Size([5, 4, 8])
+
 .. versionadded:: 0.1.0
 """
 
