@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _resolve
 from . import packing as _packing
+from ._compat import transformers4
 from ._families import family as _family
 from .errors import PackingError, TfcompatError, UlyssesError, UnsupportedTransformersError
 
@@ -581,12 +582,8 @@ def _heads(module):
 
 def _window(module):
     window = getattr(module, "sliding_window", None)
-    if window is None and "sliding_window" not in vars(module):
-        # releases before 4.53 decide per call from the config (Qwen2 family)
-        config = module.config
-        if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None) and \
-                getattr(module, "layer_idx", 0) >= getattr(config, "max_window_layers", 0):
-            window = config.sliding_window
+    if window is None and "sliding_window" not in vars(module):  # no attribute: a 4.x module
+        window = transformers4.sliding_window(module)
     return window
 
 

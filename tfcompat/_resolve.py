@@ -20,6 +20,7 @@ import threading
 from typing import Optional
 
 from . import version as _version
+from ._compat import transformers4
 from ._families import FAMILIES, PROBE_ONLY
 from ._families import family as _family
 from .errors import TfcompatError, UnsupportedTransformersError
@@ -248,10 +249,7 @@ def _resolve_rope_init(fam, capability):
         source = f"{module.__name__}.{fam.rotary}.compute_default_rope_parameters"
         reason = f"{fam.rotary} has compute_default_rope_parameters (config.rope_parameters)"
     else:
-        # 4.x: ROPE_INIT_FUNCTIONS["default"] reads config.rope_theta and partial_rotary_factor
-        key, impl, reads_partial = "rope_scaling", "_compute_default_rope_parameters", True
-        source = "transformers.modeling_rope_utils._compute_default_rope_parameters"
-        reason = f"{fam.rotary} has no compute_default_rope_parameters: 4.x rope_scaling/rope_theta config"
+        key, impl, reads_partial, source, reason = transformers4.rope_init(fam, module.__name__)
     def default_section(body):
         match = _SECTION_DEFAULT.search(body)
         return tuple(int(x) for x in match.group(1).split(",") if x.strip()) if match else None

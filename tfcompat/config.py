@@ -18,6 +18,7 @@ import types
 from typing import Any, Optional
 
 from . import _resolve
+from ._compat import transformers4
 from ._families import family as _family
 from .errors import ConfigError
 
@@ -64,7 +65,7 @@ def _rope_dict(cfg, key):
     if raw is None and key == "rope_parameters":
         raw = getattr(cfg, "rope_parameters", None)
     if raw is None:
-        raw = cfg.__dict__.get("rope_scaling")
+        raw = transformers4.rope_scaling(cfg)
         key = "rope_scaling"
     raw = dict(raw or {})
     layer_types = getattr(cfg, "layer_types", None) or ()

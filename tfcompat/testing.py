@@ -14,6 +14,7 @@ import importlib
 from typing import Any
 
 from . import _resolve
+from ._compat import transformers4
 from ._families import FAMILIES as _FAMILIES
 from ._families import TEXT_HIDDEN
 from ._families import family as _family
@@ -45,10 +46,7 @@ def _text_kwargs(fam, key):
             rope["partial_rotary_factor"] = fam.tiny_partial
         kw["rope_parameters"] = rope
     else:
-        kw["rope_theta"] = theta
-        kw["rope_scaling"] = rope if len(rope) > 1 else None
-        if fam.tiny_partial is not None:
-            kw["partial_rotary_factor"] = fam.tiny_partial
+        kw.update(transformers4.tiny_rope_kwargs(rope, theta, fam.tiny_partial))
     return kw
 
 
