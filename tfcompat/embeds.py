@@ -29,6 +29,7 @@ import functools
 import inspect
 from typing import TYPE_CHECKING, Any, Optional
 
+from ._compat import transformers4
 from ._families import family as _family
 from .errors import EmbedsError, UnsupportedTransformersError
 
@@ -78,8 +79,7 @@ def unpack_visual_output(output: Any) -> tuple[torch.Tensor, Optional[list]]:
         return _cat(pooled), None if deep is None else [_cat(d) for d in deep]
     if isinstance(output, (tuple, list)):
         if len(output) == 2 and isinstance(output[1], (tuple, list)):
-            # 4.x Qwen3-VL: (embeds or per-image tuple, [deepstack per layer])
-            embeds, deep = output
+            embeds, deep = transformers4.qwen3_vl_visual_output(output)
             return _cat(embeds), [_cat(d) for d in deep]
         if output and all(isinstance(t, torch.Tensor) for t in output):
             return _cat(output), None  # per-image split tuple

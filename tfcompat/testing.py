@@ -88,9 +88,8 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     ids = dict(image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253,
                image_start_token_id=252, image_end_token_id=253, video_start_token_id=254,
                video_end_token_id=255)
-    if not fam.text_family and not hasattr(module, fam.text_config_class):
-        # Qwen2-VL before 4.52: text settings are flat on the top-level config
-        return cls(vision_config=vision, **ids, **text)
+    if not fam.text_family and not hasattr(module, fam.text_config_class):  # no text config class: 4.x
+        return transformers4.flat_vl_config(cls, vision, ids, text)
     top = {k: _hidden(v, text["hidden_size"]) for k, v in fam.tiny_top.items()}
     return cls(text_config=text, vision_config=vision, **ids, **top)
 

@@ -33,6 +33,22 @@ def tiny_rope_kwargs(rope, theta, partial):
     return kw
 
 
+def flat_vl_config(cls, vision, ids, text):
+    """A tiny Qwen2-VL config of 4.51: text settings flat on the top-level config.
+
+    Absorbs: 4.52 gave Qwen2-VL/2.5-VL a ``text_config`` (``Qwen2VLTextConfig``)."""
+    return cls(vision_config=vision, **ids, **text)
+
+
+def qwen3_vl_visual_output(output):
+    """``(embeds, deepstack)`` of the 4.57 Qwen3-VL vision tower, which returns a plain 2-tuple
+    ``(embeds or per-image tuple, [deepstack per layer])``.
+
+    Absorbs: 5.0 returns ``BaseModelOutputWithDeepstackFeatures`` (read through ``pooler_output``)."""
+    embeds, deep = output
+    return embeds, deep
+
+
 def sliding_window(module):
     """The sliding window of a 4.x attention module that has no ``sliding_window`` attribute.
 
