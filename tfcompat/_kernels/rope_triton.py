@@ -34,12 +34,14 @@ launches = 0
 
 
 @triton.jit
-def _cos_index(i, HALF: tl.constexpr, COS_MODE: tl.constexpr):
-    if COS_MODE == 0:  # NeoX halves
+def _pair_index(i, HALF: tl.constexpr, MODE: tl.constexpr):
+    """The two channels of pair i: halves (0), adjacent pairs (1), or the same channel twice (2: GPT-J cos
+    whose first half the attention repeat-interleaves)."""
+    if MODE == 0:
         return i, i + HALF
-    elif COS_MODE == 1:  # GPT-J, cos already repeated per pair
+    elif MODE == 1:
         return 2 * i, 2 * i + 1
-    else:  # GPT-J, first half of cos repeat-interleaved by the attention
+    else:
         return i, i
 
 
@@ -72,7 +74,7 @@ def _rotate_rows(x_ptr, o_ptr, xb, xh, xs, xd, ob, oh, os_, od, cos_ptr, sin_ptr
     b = t // seq
     i = tl.arange(0, BLOCK_HALF)
     mask = rmask[:, None] & (i < HALF)[None, :]
-    j1, j2 = _cos_index(i, HALF, COS_MODE)
+    j1, j2 = _pair_index(i, HALF, COS_MODE)
     x_dtype = x_ptr.dtype.element_ty
     cbase = (b * cb + s * cs)[:, None]
     sbase = (b * sb + s * ss)[:, None]
@@ -80,18 +82,8 @@ def _rotate_rows(x_ptr, o_ptr, xb, xh, xs, xd, ob, oh, os_, od, cos_ptr, sin_ptr
     c2 = _trig(cos_ptr, cbase, j2[None, :], sec0, sec1, cr, cd, mask, HALF, ROWS3, x_dtype, UPCAST)
     s1 = _trig(sin_ptr, sbase, j1[None, :], sec0, sec1, sr, sd, mask, HALF, ROWS3, x_dtype, UPCAST)
     s2 = _trig(sin_ptr, sbase, j2[None, :], sec0, sec1, sr, sd, mask, HALF, ROWS3, x_dtype, UPCAST)
-    if IN_PAIRS:
-        ia = 2 * i
-        ib = 2 * i + 1
-    else:
-        ia = i
-        ib = i + HALF
-    if OUT_PAIRS:
-        oa = 2 * i
-        obb = 2 * i + 1
-    else:
-        oa = i
-        obb = i + HALF
+    ia, ib = _pair_index(i, HALF, IN_PAIRS)
+    oa, obb = _pair_index(i, HALF, OUT_PAIRS)
     xrow = x_ptr + (b * xb + s * xs + h * xh)[:, None]
     orow = o_ptr + (b * ob + s * os_ + h * oh)[:, None]
     a = tl.load(xrow + ia[None, :] * xd, mask=mask, other=0.0)
@@ -186,7 +178,7 @@ def _launch(q, k, qo, ko, cos, sin, layout, seq_dim, inverse):
         q4, k4, qo4, ko4, cos, sin, seq, hq, hk, q_rows, k_rows, q_programs, sec0, sec1,
         *q4.stride(), *k4.stride(), *qo4.stride(), *ko4.stride(), *trig_strides(cos), *trig_strides(sin),
         D=dim, RD=rd, BLOCK_R=block_r, BLOCK_HALF=block_half, BLOCK_TAIL=triton.next_power_of_2(max(dim - rd, 1)),
-        IN_PAIRS=in_pairs, OUT_PAIRS=out_pairs, COS_MODE=layout.cos_mode, ROWS3=rows3,
+        IN_PAIRS=int(in_pairs), OUT_PAIRS=int(out_pairs), COS_MODE=layout.cos_mode, ROWS3=rows3,
         INVERSE=inverse, COPY_TAIL=(dim > rd and qo is not q), UPCAST=q.dtype in (torch.float16, torch.bfloat16),
     )
     launches += 1
