@@ -186,7 +186,7 @@ FAMILIES = {
                tiny_text=dict(_MOE, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32, v_head_dim=32,
                               num_key_value_heads=4, index_n_heads=2, index_head_dim=16, index_topk=4, index_kpool=2,
                               linear_head_dim=16, linear_num_heads=4, hc_mult=2, hc_sinkhorn_iters=2,
-                              layer_types=["linear_attention", "indexed_attention"], mlp_layer_types=None),
+                              layer_types=["linear_attention", "full_attention"], mlp_layer_types=None),
                tiny_vision=dict(image_size=16, projection_intermediate_size=64)),
         Family("qwen3_vl", "qwen3_vl", "Qwen3VL", "Qwen3VLTextAttention", "Qwen3VLTextRotaryEmbedding", "neox",
                mrope="interleaved", default_mrope_section=(24, 20, 20), aliases=("qwen3_vl_text",),
