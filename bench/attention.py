@@ -18,7 +18,7 @@ import torch
 
 import tfcompat
 from tfcompat._families import family
-from tfcompat.packing import pack, unpack
+from tfcompat.packing import pack
 from tfcompat.testing import tiny_model
 
 
@@ -56,12 +56,14 @@ def main():
     def padded_step():
         model.zero_grad(set_to_none=True)
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        (logits.float() * mask[..., None]).square().mean().backward()
+        ((logits.float() * mask[..., None]).square().sum() / mask.sum()).backward()
 
+    # the same loss in all three steps (squares of the valid tokens' logits over their count), each computed
+    # where a training loop has it: packed logits stay packed (labels are packed alongside)
     def packed_step():
         model.zero_grad(set_to_none=True)
-        logits = unpack(model(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False).logits, pk)
-        (logits.float() * mask[..., None]).square().mean().backward()
+        logits = model(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False).logits
+        (logits.float().square().sum() / mask.sum()).backward()
 
     def one_at_a_time_step():
         model.zero_grad(set_to_none=True)
