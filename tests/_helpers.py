@@ -95,6 +95,18 @@ def upstream_rope(name, config):
     return lambda q, k, c, s, unsqueeze_dim=1: fn(q, k, c, s, unsqueeze_dim=unsqueeze_dim)
 
 
+def param_grads(model):
+    """{name: gradient} of every parameter that got one."""
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def close_to_model(got, want, what):
+    """Whole-model comparison (logits, gradients): fp32 summation order differs between the padded and the
+    packed run, so the absolute tolerance scales with the largest magnitude."""
+    scale = max(1.0, want.abs().max().item())
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5 * scale, msg=lambda m: f"{what}: {m}")
+
+
 def grads_by_name(got, want, what):
     """Pair two {name: grad} dicts for comparison. A gradient present in one run only must be exactly zero:
     on releases that loop over experts, an expert that only padding tokens were routed to gets a zero

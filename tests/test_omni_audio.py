@@ -8,7 +8,7 @@ from tfcompat._families import FAMILIES as SPECS
 from tfcompat.embeds import rope_index
 from tfcompat.packing import pack, unpack
 
-from _helpers import grads_by_name, patchable
+from _helpers import close_to_model, grads_by_name, param_grads, patchable
 from _models import forward_kwargs, padded, run_upstream, tiny_model
 
 OMNI = [n for n in patchable() if "audio_config" in SPECS[n].tiny_top]
@@ -25,15 +25,6 @@ def _audio(model, chunks):
         out = owner.get_audio_features(feats, feature_attention_mask=mask)
     out = getattr(out, "last_hidden_state", out)  # 5.x returns an output object, 4.x a tensor
     return feats, mask, (out[0] if isinstance(out, (tuple, list)) else out).shape[0]
-
-
-def _grads(model):
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _close(got, want, what):
-    scale = max(1.0, want.abs().max().item())
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5 * scale, msg=lambda m: f"{what}: {m}")
 
 
 @pytest.mark.parametrize("name", OMNI)
@@ -53,7 +44,7 @@ def test_packed_with_audio_equals_padded(name, first):
                                      **forward_kwargs(model, ids, **audio)).logits)
     weights = torch.randn(ref.shape, generator=g)
     (ref * weights * mask[..., None]).sum().backward()
-    ref_grads = _grads(model)
+    ref_grads = param_grads(model)
 
     positions, _ = rope_index(model, ids, attention_mask=mask, audio_seqlens=fmask.sum(-1))
     pk = pack(ids, mask, positions, vision=True)
@@ -64,8 +55,8 @@ def test_packed_with_audio_equals_padded(name, first):
     logits = unpack(out, pk)
     (logits * weights * mask[..., None]).sum().backward()
     valid = mask.bool()
-    _close(logits[valid], ref[valid], f"{name} audio logits")
-    grads = _grads(model)
+    close_to_model(logits[valid], ref[valid], f"{name} audio logits")
+    grads = param_grads(model)
     assert any("audio_tower" in k for k in grads), "the audio tower got no gradient: audio was not used"
     for key, got, want in grads_by_name(grads, ref_grads, f"{name} audio"):
-        _close(got, want, f"{name} audio grad {key}")
+        close_to_model(got, want, f"{name} audio grad {key}")

@@ -11,7 +11,7 @@ from tfcompat.errors import UnsupportedTransformersError
 from tfcompat.packing import pack, packed, unpack
 from tfcompat.varlen import PackingError
 
-from _helpers import grads_by_name, installed, linear_attention, patchable  # noqa: F401
+from _helpers import close_to_model, grads_by_name, installed, linear_attention, param_grads, patchable  # noqa: F401
 from _models import forward_kwargs, padded, run_upstream, three_d_positions, tiny_model, tiny_pixels, tiny_sequence
 
 FAMILIES = [n for n in patchable() if n not in ("llama", "glm")]
@@ -25,19 +25,10 @@ CASES = {
 }
 
 
-def _grads(model):
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def _run(model, weights, mask, **kwargs):
     model.zero_grad(set_to_none=True)
     logits = model(use_cache=False, **kwargs).logits
     return logits
-
-
-def _close(got, want, what):
-    scale = max(1.0, want.abs().max().item())
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5 * scale, msg=lambda m: f"{what}: {m}")
 
 
 def _padded_and_packed(name, case):
@@ -61,7 +52,7 @@ def test_packed_patched_equals_padded_unpatched(name, case):
                                     **forward_kwargs(model, ids, **pixels)))
     weights = torch.randn(ref.shape, generator=g)
     (ref * weights * mask[..., None]).sum().backward()
-    ref_grads = _grads(model)
+    ref_grads = param_grads(model)
 
     pk = pack(ids, mask, three_d_positions(model, ids, mask, pixels), vision=SPECS[name].vision)
     record = tfcompat.patch(model)
@@ -71,12 +62,12 @@ def test_packed_patched_equals_padded_unpatched(name, case):
                **forward_kwargs(model, pk.input_ids, **pixels))
     logits = unpack(out, pk)
     (logits * weights * mask[..., None]).sum().backward()
-    grads = _grads(model)
+    grads = param_grads(model)
 
     valid = mask.bool()
-    _close(logits[valid], ref[valid], f"{name}/{case} logits")
+    close_to_model(logits[valid], ref[valid], f"{name}/{case} logits")
     for key, got, want in grads_by_name(grads, ref_grads, f"{name}/{case}"):
-        _close(got, want, f"{name}/{case} grad {key}")
+        close_to_model(got, want, f"{name}/{case} grad {key}")
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -124,7 +115,7 @@ def test_patch_twice_and_two_models(name):
         twice = a(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False).logits
         ref_b = b(input_ids=ids, attention_mask=mask, use_cache=False).logits
     assert torch.equal(once, twice)
-    _close(unpack(once, pk)[mask.bool()], ref_b[mask.bool()], "patched a vs padded b")
+    close_to_model(unpack(once, pk)[mask.bool()], ref_b[mask.bool()], "patched a vs padded b")
     assert not any("_tfcompat_patch" in m.__dict__ or "_tfcompat_model" in m.__dict__ for m in b.modules()), \
         "patching a touched b"
 
@@ -151,7 +142,7 @@ def test_boundaries_from_the_packed_context_and_kwargs():
         # running positions would hide the boundaries; the context supplies them
         with packed(pk.cu_seqlens):
             got = model(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False).logits
-    _close(got, want, "context")
+    close_to_model(got, want, "context")
 
 
 def test_three_row_ids_of_a_packed_row_are_refused():
@@ -184,7 +175,7 @@ def test_sliding_window_layers(name):
         pk = pack(ids, mask, vision=SPECS[name].vision)
         tfcompat.patch(model)
         got = unpack(model(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False).logits, pk)
-    _close(got[mask.bool()], ref[mask.bool()], f"{name} sliding window")
+    close_to_model(got[mask.bool()], ref[mask.bool()], f"{name} sliding window")
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen2_vl", "qwen3_5"])
@@ -204,7 +195,7 @@ def test_bare_text_model(name):
         assert record.attention_modules >= 1
         got = unpack(bare(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False)[0], pk)
         assert tfcompat.unpatch(bare)
-    _close(got[mask.bool()], ref[mask.bool()], f"bare {name}")
+    close_to_model(got[mask.bool()], ref[mask.bool()], f"bare {name}")
 
 
 @pytest.mark.parametrize("name", [n for n in installed() if SPECS[n].patch_refusal])
