@@ -77,12 +77,11 @@ def unpack_visual_output(output: Any) -> tuple[torch.Tensor, Optional[list]]:
     if pooled is not None:
         deep = getattr(output, "deepstack_features", None)
         return _cat(pooled), None if deep is None else [_cat(d) for d in deep]
-    if isinstance(output, (tuple, list)):
-        if len(output) == 2 and isinstance(output[1], (tuple, list)):
-            embeds, deep = transformers4.qwen3_vl_visual_output(output)
-            return _cat(embeds), [_cat(d) for d in deep]
-        if output and all(isinstance(t, torch.Tensor) for t in output):
-            return _cat(output), None  # per-image split tuple
+    legacy = transformers4.qwen3_vl_visual_output(output)
+    if legacy is not None:
+        return _cat(legacy[0]), [_cat(d) for d in legacy[1]]
+    if isinstance(output, (tuple, list)) and output and all(isinstance(t, torch.Tensor) for t in output):
+        return _cat(output), None  # per-image split tuple
     raise EmbedsError(
         f"unpack_visual_output: cannot read {type(output).__name__}; expected a tensor, a (embeds, deepstack) "
         f"tuple, per-image tuples, or a transformers output with pooler_output"

@@ -41,12 +41,13 @@ def flat_vl_config(cls, vision, ids, text):
 
 
 def qwen3_vl_visual_output(output):
-    """``(embeds, deepstack)`` of the 4.57 Qwen3-VL vision tower, which returns a plain 2-tuple
-    ``(embeds or per-image tuple, [deepstack per layer])``.
+    """``(embeds, deepstack)`` when ``output`` is the 4.57 Qwen3-VL vision tower's plain 2-tuple
+    ``(embeds or per-image tuple, [deepstack per layer])``; None for any other output.
 
     Absorbs: 5.0 returns ``BaseModelOutputWithDeepstackFeatures`` (read through ``pooler_output``)."""
-    embeds, deep = output
-    return embeds, deep
+    if isinstance(output, (tuple, list)) and len(output) == 2 and isinstance(output[1], (tuple, list)):
+        return output[0], output[1]
+    return None
 
 
 def sliding_window(module):

@@ -131,7 +131,7 @@ _COS_MODES = {"neox": 0, "pairs": 1, "half": 2}
 
 
 class Layout:
-    """What one call needs to know beside the tensors (hashable; the same for forward and backward)."""
+    """What one call needs to know beside the tensors; the same object serves its forward and backward."""
 
     __slots__ = ("in_pairs", "out_pairs", "cos_mode", "section")
 
