@@ -113,3 +113,20 @@ def test_vendor_overwrites_an_earlier_copy_and_force(tmp_path):
     (foreign / "x").write_text("x")
     assert run("vendor", str(foreign), "--force").returncode == 0
     assert (foreign / "x").exists() and (foreign / "rope.py").exists()
+
+
+def test_report_imports_neither_transformers_nor_torch():
+    """What keeps ``tfcompat report`` within a few seconds: every decision is read from transformers' files.
+    torch is imported only where triton or flash-attn is installed (whether those import is the decision)."""
+    from tfcompat import _resolve
+
+    code = ("import sys; from tfcompat import _cli; rc = _cli.main(['report']); "
+            "print('HEAVY', sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'})); "
+            "sys.exit(rc)")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    heavy = out.stdout.rsplit("HEAVY", 1)[1].strip()
+    torch_needed = _resolve.installed("triton") or _resolve.installed("flash_attn")
+    assert heavy == ("['torch']" if torch_needed else "[]"), heavy

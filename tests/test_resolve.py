@@ -111,11 +111,13 @@ def test_probes_without_source_use_declared_facts_or_fail(monkeypatch, name):
     tfcompat.clear_cache()
     want = _resolve.resolve("rope.init", name).plan
     tfcompat.clear_cache()
+    importlib.import_module(SPECS[name].text_modeling)  # imported as a stripped install would be
 
     def no_source(obj):
         raise OSError("could not get source code")
 
     monkeypatch.setattr(inspect, "getsource", no_source)
+    monkeypatch.setattr(_resolve, "_read", lambda module: None)  # no .py file: the module is imported
     try:
         if "probe-only" in (SPECS[name].default_mrope_section, SPECS[name].reads_partial_rotary):
             # changed between releases: no fact to fall back to
@@ -154,3 +156,49 @@ def test_record_types_are_public_frozen_and_picklable():
         record.family = "glm4"
     with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
         tfcompat.Nothing  # noqa: B018
+
+
+@pytest.mark.parametrize("name", installed())
+def test_reading_the_files_decides_as_importing_does(monkeypatch, name):
+    """The resolvers read modeling files as text (so ``report`` imports no torch); Python's own view of the
+    imported module (inspect, MRO) must lead to the same decisions, for every capability, on this release."""
+    tfcompat.clear_cache()
+    read = [_resolve.resolve(kind, name) for kind in _resolve._RESOLVERS]
+    assert all(isinstance(_resolve._module(m), _resolve._Text) for m in {SPECS[name].modeling})
+    tfcompat.clear_cache()
+    monkeypatch.setattr(_resolve, "_read", lambda module: None)
+    try:
+        imported = [_resolve.resolve(kind, name) for kind in _resolve._RESOLVERS]
+        assert isinstance(_resolve._module(SPECS[name].modeling), _resolve._Imported)
+    finally:
+        monkeypatch.undo()
+        tfcompat.clear_cache()
+    assert read == imported
+    assert [r.locator for r in read] == [r.locator for r in imported]
+    for r in read:  # the named upstream object is importable
+        assert r.target is not None or r.impl == "none"
+
+
+def test_the_file_reader_survives_unindented_strings_and_follows_bases():
+    """Top-level statements are found by their first column; a string whose lines start there cuts a class
+    short, and the reader then parses the whole file rather than probe half a class."""
+    text = (
+        "from ..other.modeling_other import Base as Renamed\n"
+        "if True:\n    from .x import helper\n"
+        "@decorator\n"
+        "class A(Renamed):\n"
+        "    def forward(self, x, *args, scale=1, **kwargs):\n"
+        "        note = '''\nunindented\n'''\n"
+        "        return apply_rotary_pos_emb(x)\n"
+        "\n"
+        "class B(A):\n    pass\n"
+        "CONSTANT = 3\n"
+    )
+    mod = _resolve._Text("transformers.models.mine.modeling_mine", text)
+    forward = mod.method("A", "forward")
+    assert forward.params == ("x", "args", "scale", "kwargs")
+    assert "unindented" in forward.body and forward.body.rstrip().endswith("apply_rotary_pos_emb(x)")
+    assert mod.method("B", "forward") == forward  # inherited from A, found along its bases
+    assert mod.has("CONSTANT") and mod.has("helper") and mod.has("Renamed") and not mod.has("unindented")
+    assert mod._imports["Renamed"] == ("transformers.models.other.modeling_other", "Base")
+    assert mod.method("B", "missing") is None

@@ -168,7 +168,8 @@ def test_torch_compile_fullgraph(name):
     config, cos, sin, q, k, g = _inputs(name, 1, 9, torch.float32, 1, seed=6)
     tfcompat.clear_cache()
     cold = torch.compile(lambda a, b, c, s: apply_rope(a, b, c, s, config=config), fullgraph=True, backend="eager")
-    with pytest.raises(Exception, match=r"call tfcompat.rope.prepare\("):
+    # our message; torch.compile before 2.8 replaces it by a note naming the exception it met
+    with pytest.raises(Exception, match=r"call tfcompat.rope.prepare\(|Variable\(TfcompatError\)"):
         cold(q, k, cos, sin)
     torch._dynamo.reset()
     prepare(config)

@@ -244,14 +244,13 @@ _ALIASES = {alias: f.name for f in FAMILIES.values() for alias in (f.name,) + f.
 
 def family(name_or_config):
     """The :class:`Family` for a model_type string or a (top-level or text) config."""
-    name = name_or_config
+    # getattr, not isinstance(config, str): torch.compile before 2.8 cannot trace isinstance on a config
+    name = getattr(name_or_config, "model_type", name_or_config)
     if not isinstance(name, str):
-        name = getattr(name_or_config, "model_type", None)
-        if not isinstance(name, str):
-            raise UnsupportedTransformersError(
-                f"tfcompat: cannot tell the model family of {type(name_or_config).__name__}: it has no "
-                f"model_type; pass model_type= (one of {', '.join(sorted(FAMILIES))})"
-            )
+        raise UnsupportedTransformersError(
+            f"tfcompat: cannot tell the model family of {type(name_or_config).__name__}: it has no "
+            f"model_type; pass model_type= (one of {', '.join(sorted(FAMILIES))})"
+        )
     key = name.strip().lower().replace("-", "_")
     if key in _ALIASES:
         return FAMILIES[_ALIASES[key]]

@@ -1,19 +1,21 @@
 """Version-probing resolvers: one decision per capability, made once, cached, inspectable.
 
 A capability is a dotted name plus a family, e.g. ``rope.apply:glm4v``. Each resolver
-imports the installed transformers' modeling module and *probes* it (which symbol the
-attention calls, what a function's body does, which methods a class has) rather than
-comparing version strings: symbols vanish per model, not per major release.
+reads the installed transformers' modeling module (its file, parsed, not imported) and *probes*
+it (which symbol the attention calls, what a function's body does, which methods a class has)
+rather than comparing version strings: symbols vanish per model, not per major release.
 
 Every decision is a frozen :class:`Resolution`. ``report()`` lists them; ``clear_cache()``
 forgets them (for tests).
 """
 
+import ast
 import dataclasses
 import functools
 import importlib
 import importlib.util
 import inspect
+import os
 import re
 import sys
 import threading
@@ -43,13 +45,20 @@ class Resolution:
     transformers: str
     #: small, family-specific facts derived by the probe (a frozen dataclass or None)
     plan: object = None
-    #: the resolved upstream object itself; not part of equality or repr
-    target: object = dataclasses.field(default=None, compare=False, repr=False)
+    #: where the upstream object lives, ``(module, "attr.attr")``; () when there is none
+    locator: tuple = dataclasses.field(default=(), compare=False, repr=False)
+
+    @functools.cached_property
+    def target(self):
+        """The upstream object itself (a function, class or module), imported on first use: deciding
+        needs only the source text, so ``report`` imports neither torch nor transformers."""
+        return _load(self.locator) if self.locator else None
 
     def __reduce__(self):
-        # the upstream target (a module or function) is not part of the value: a pickled or deep-copied
-        # record carries the decision, and tfcompat.resolve() finds the object again where it is needed
-        return (Resolution, (self.capability, self.impl, self.source, self.reason, self.transformers, self.plan))
+        # the imported target is not part of the value: a pickled or deep-copied record carries the
+        # decision and its locator, and imports the object again where it is needed
+        return (Resolution, (self.capability, self.impl, self.source, self.reason, self.transformers, self.plan,
+                             self.locator))
 
     def as_dict(self):
         plan = dataclasses.asdict(self.plan) if dataclasses.is_dataclass(self.plan) else self.plan
@@ -105,39 +114,238 @@ def clear_cache():
     with _lock:
         _cache.clear()
         _version.transformers_version.cache_clear()
-        _import.cache_clear()
+        _module.cache_clear()
+        _root.cache_clear()
+
+
+# ----------------------------------------------------------------------------- reading modeling modules
+# The resolvers read transformers' modeling files as text (parsed with ``ast``) instead of importing
+# them: ``report`` then imports neither torch nor transformers, and a decision cannot depend on what
+# another library patched into a module at run time. The upstream object a Resolution names is imported
+# on first use (``Resolution.target``). A stripped install (bytecode only) is imported and inspected.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Def:
+    """A function or method as the probes see it."""
+
+    where: str  # "Qwen2Attention.forward"
+    params: tuple  # parameter names, without self
+    body: str  # its source ("" where the install ships none)
 
 
 @functools.lru_cache(maxsize=None)
-def _import(module):
-    return importlib.import_module(module)
+def _root():
+    spec = importlib.util.find_spec("transformers")  # a top-level name: found without importing it
+    return os.path.dirname(spec.origin) if spec is not None and spec.origin else None
 
 
-def _source(obj):
+def _read(dotted):
+    """The text of transformers' module ``dotted``, or None where there is no .py file to read."""
+    root = _root()
+    if root is None or not dotted.startswith("transformers."):
+        return None
     try:
-        return inspect.getsource(inspect.unwrap(obj))
-    except (OSError, TypeError):
-        return ""
+        with open(os.path.join(root, *dotted.split(".")[1:]) + ".py", encoding="utf-8") as fh:
+            return fh.read()
+    except OSError:
+        return None
+
+
+def _exists(dotted):
+    """Whether the installed transformers ships module ``dotted`` (as source or bytecode), without importing."""
+    root = _root()
+    if not root or not dotted.startswith("transformers."):
+        return False
+    base = os.path.join(root, *dotted.split(".")[1:])
+    return os.path.exists(base + ".py") or os.path.exists(base + ".pyc")
+
+
+def _absolute(package, node):
+    if not node.level:
+        return node.module or ""
+    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+    return ".".join(parts + ([node.module] if node.module else []))
+
+
+def _params(node):
+    a = node.args
+    names = [x.arg for x in (*a.posonlyargs, *a.args)]
+    names += [f"*{a.vararg.arg}"] if a.vararg else []
+    names += [x.arg for x in a.kwonlyargs] + ([f"**{a.kwarg.arg}"] if a.kwarg else [])
+    return tuple(n.lstrip("*") for n in names if n not in ("self", "cls"))
+
+
+_TOP = re.compile(r"^(?![\s#)\]}]|else\b|elif\b|except\b|finally\b)", re.M)  # where a top-level statement starts
+_NAMED = re.compile(r"(?:async\s+)?(?:def|class)\s+(\w+)|(\w+)\s*[:=]")
+
+
+class _Text:
+    """One modeling module read from its file. Only the top-level statements a probe asks about are
+    parsed (``ast`` over a whole 200 kB modeling file costs ~50 ms; a report reads ~30 of them)."""
+
+    def __init__(self, name, text):
+        self.name = name
+        self._text = text
+        self._package = name.rsplit(".", 1)[0]
+        self._blocks: dict = {}  # name -> (start, end) of its top-level statement
+        self._imports: dict = {}  # name -> (absolute module, name there)
+        self._parsed: dict = {}
+        starts = [m.start() for m in _TOP.finditer(text)] + [len(text)]
+        i = 0
+        while i < len(starts) - 1:
+            begin = i
+            while text.startswith("@", starts[i]) and i < len(starts) - 2:  # decorators join their def
+                i += 1
+            start, end = starts[begin], starts[i + 1]
+            head = text[starts[i]: text.find("\n", starts[i])]
+            named = _NAMED.match(head)
+            if head.startswith(("from ", "import ", "if ", "try:")):
+                self._walk(self._parse(start, end)[0].body)
+            elif named:
+                self._blocks.setdefault(named.group(1) or named.group(2), (start, end))
+            i += 1
+
+    def _parse(self, start, end):
+        """``(tree, source)`` of the top-level statement at ``start``."""
+        if (start, end) not in self._parsed:
+            chunk = self._text[start:end]
+            try:
+                tree = ast.parse(chunk)
+            except SyntaxError:  # a string with unindented lines cut the statement short
+                chunk = self._statement_at(start)
+                tree = ast.parse(chunk)
+            self._parsed[start, end] = (tree, chunk)
+        return self._parsed[start, end]
+
+    def _statement_at(self, start):
+        """The whole top-level statement around offset ``start``, found by parsing the entire file."""
+        lines = self._text.splitlines(keepends=True)
+        line = self._text.count("\n", 0, start) + 1
+        for node in ast.parse(self._text).body:
+            first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+            if first <= line <= node.end_lineno:
+                return "".join(lines[first - 1: node.end_lineno])
+        raise SyntaxError(f"no statement at line {line} of {self.name}")
+
+    def _walk(self, body):
+        for node in body:
+            if isinstance(node, ast.ImportFrom):
+                for alias in node.names:
+                    self._imports[alias.asname or alias.name] = (_absolute(self._package, node), alias.name)
+            elif isinstance(node, (ast.If, ast.Try)):
+                self._walk(node.body)
+                self._walk(node.orelse)
+
+    def has(self, name):
+        return name in self._blocks or name in self._imports
+
+    def _node(self, name, kinds):
+        """The parsed top-level def/class ``name`` and its source lines, or None."""
+        if name not in self._blocks:
+            return None
+        tree, source = self._parse(*self._blocks[name])
+        node = tree.body[0] if tree.body else None
+        return (node, source.splitlines(keepends=True)) if isinstance(node, kinds) else None
+
+    @staticmethod
+    def _source(node, lines):
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        return "".join(lines[first - 1: node.end_lineno])
+
+    def _elsewhere(self, name):
+        where = self._imports.get(name)
+        return (_module(where[0]), where[1]) if where and _exists(where[0]) else (None, name)
+
+    def function(self, name):
+        found = self._node(name, (ast.FunctionDef, ast.AsyncFunctionDef))
+        if found is not None:
+            return _Def(name, _params(found[0]), self._source(*found))
+        other, real = self._elsewhere(name)
+        return other.function(real) if other is not None else None
+
+    def method(self, cls, name):
+        """``cls.name`` as Python finds it: in the class, else along its bases (here or where imported)."""
+        found = self._node(cls, ast.ClassDef)
+        if found is None:
+            other, real = self._elsewhere(cls)
+            return other.method(real, name) if other is not None else None
+        node, lines = found
+        for item in node.body:
+            if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == name:
+                return _Def(f"{cls}.{name}", _params(item), self._source(item, lines))
+        for base in node.bases:
+            inherited = self.method(base.id, name) if isinstance(base, ast.Name) else None
+            if inherited is not None:
+                return inherited
+        return None
+
+
+class _Imported:
+    """A modeling module without .py sources (a stripped or frozen install): imported and inspected;
+    bodies are empty, so source probes fall back to the family's declared facts."""
+
+    def __init__(self, name):
+        self.name = name
+        self._module = importlib.import_module(name)
+
+    def has(self, name):
+        return hasattr(self._module, name)
+
+    @staticmethod
+    def _def(where, fn):
+        fn = inspect.unwrap(fn)
+        try:
+            params = tuple(p for p in inspect.signature(fn).parameters if p not in ("self", "cls"))
+        except (TypeError, ValueError):
+            params = ()
+        try:
+            body = inspect.getsource(fn)
+        except (OSError, TypeError):
+            body = ""
+        return _Def(where, params, body)
+
+    def function(self, name):
+        fn = getattr(self._module, name, None)
+        return self._def(name, fn) if callable(fn) else None
+
+    def method(self, cls, name):
+        fn = getattr(getattr(self._module, cls, None), name, None)
+        return self._def(f"{cls}.{name}", fn) if fn is not None else None
+
+
+@functools.lru_cache(maxsize=None)
+def _module(name):
+    text = _read(name)
+    if text is not None:
+        return _Text(name, text)
+    return _Imported(name)  # raises ImportError where the release has no such module
+
+
+def _load(locator):
+    """Import the upstream object a Resolution names: ``(module, "attr.attr")``."""
+    obj = importlib.import_module(locator[0])
+    for part in filter(None, locator[1].split(".")):
+        obj = getattr(obj, part)
+    return obj
 
 
 _NO_FACT = object()
 
 
-def _probe(capability, what, obj, decide, declared=_NO_FACT):
-    """``decide(source of obj)``; where the source cannot be read (a frozen or stripped install), the
+def _probe(capability, what, fn, decide, declared=_NO_FACT):
+    """``decide(source of fn)``; where the source cannot be read (a frozen or stripped install), the
     family's declared fact with a warning, or an error when there is none: never a silent default."""
-    body = _source(obj)
-    if body:
-        return decide(body)
-    name = getattr(obj, "__qualname__", repr(obj))
+    if fn.body:
+        return decide(fn.body)
     if declared is not _NO_FACT:
         import warnings
 
-        warnings.warn(f"tfcompat {capability}: cannot read the source of {name} to probe {what}; using the "
+        warnings.warn(f"tfcompat {capability}: cannot read the source of {fn.where} to probe {what}; using the "
                       f"family's declared fact ({declared!r})", RuntimeWarning, stacklevel=3)
         return declared
     raise UnsupportedTransformersError(
-        f"{capability}: cannot read the source of {name} (transformers {_version.transformers_version()}) to "
+        f"{capability}: cannot read the source of {fn.where} (transformers {_version.transformers_version()}) to "
         f"probe {what}, and the family declares no fact for it; install transformers with its .py sources "
         f"(not a stripped or frozen build)"
     )
@@ -146,7 +354,9 @@ def _probe(capability, what, obj, decide, declared=_NO_FACT):
 def _modeling(fam, capability):
     installed = _version.require_supported_transformers(capability)
     try:
-        return _import(fam.modeling)
+        if not _exists(fam.modeling):
+            raise ImportError(f"No module named {fam.modeling!r}")
+        return _module(fam.modeling)
     except ImportError as exc:
         raise UnsupportedTransformersError(
             f"{capability}: transformers {installed} has no {fam.modeling} ({exc}); the {fam.name} family "
@@ -154,28 +364,28 @@ def _modeling(fam, capability):
         ) from None
 
 
-def _attr(module, name, capability):
-    obj = getattr(module, name, None)
-    if obj is None:
+def _method(module, cls, name, capability):
+    found = module.method(cls, name)
+    if found is None:
         raise UnsupportedTransformersError(
-            f"{capability}: transformers {_version.transformers_version()} has no {module.__name__}.{name}; "
+            f"{capability}: transformers {_version.transformers_version()} has no {module.name}.{cls}.{name}; "
             f"tfcompat knows this family from transformers {_version.MIN_TRANSFORMERS} to "
             f"{_version.TESTED_MAX_TRANSFORMERS}; please report this release to tfcompat"
         )
-    return obj
+    return found
 
 
 def _nope(fam, capability, module, plan):
     """NoPE decoders: the declared fact, confirmed by the attention not calling a rotary function."""
-    attention = _attr(module, fam.attention, capability)
-    rotates = _probe(capability, "whether the attention rotates q/k", attention.forward,
+    forward = _method(module, fam.attention, "forward", capability)
+    rotates = _probe(capability, "whether the attention rotates q/k", forward,
                      lambda b: bool(re.search(r"apply_\w*rotary\w*\(", b)), False)
     if rotates:
         raise UnsupportedTransformersError(
             f"{capability}: the family table says {fam.name} has no rotary position embedding, but "
             f"{fam.attention}.forward of transformers {_version.transformers_version()} applies one; please report "
             f"this release to tfcompat")
-    return Resolution(capability, "none", f"{module.__name__}.{fam.attention}.forward",
+    return Resolution(capability, "none", f"{module.name}.{fam.attention}.forward",
                       f"{fam.attention}.forward applies no rotary position embedding (NoPE): nothing to rotate",
                       str(_version.transformers_version()), plan)
 
@@ -184,18 +394,18 @@ def _resolve_rope_apply(fam, capability):
     module = _modeling(fam, capability)
     if fam.nope:
         return _nope(fam, capability, module, RopePlan(rotation="none", cos_rows=0))
-    attention = _attr(module, fam.attention, capability)
-    body = _probe(capability, "which rotary function the attention calls", attention.forward, lambda b: b)
+    forward = _method(module, fam.attention, "forward", capability)
+    body = _probe(capability, "which rotary function the attention calls", forward, lambda b: b)
     where = f"{fam.attention}.forward"
     if fam.rotation == "deinterleave" and "apply_rotary_pos_emb_interleave(" in body and \
-            hasattr(module, "apply_rotary_pos_emb_interleave"):
+            module.has("apply_rotary_pos_emb_interleave"):
         name, rows = "apply_rotary_pos_emb_interleave", 0
         reason = (f"{where} calls apply_rotary_pos_emb_interleave (the config's rope_interleave default): adjacent "
                   f"pairs in, halves out; cos/sin folded as (batch, seq, dim)")
-    elif "apply_multimodal_rotary_pos_emb" in body and hasattr(module, "apply_multimodal_rotary_pos_emb"):
+    elif "apply_multimodal_rotary_pos_emb" in body and module.has("apply_multimodal_rotary_pos_emb"):
         name, rows = "apply_multimodal_rotary_pos_emb", 3
         reason = f"{where} calls apply_multimodal_rotary_pos_emb: cos/sin arrive as (3, batch, seq, dim)"
-    elif "apply_rotary_pos_emb(" in body and hasattr(module, "apply_rotary_pos_emb"):
+    elif "apply_rotary_pos_emb(" in body and module.has("apply_rotary_pos_emb"):
         name, rows = "apply_rotary_pos_emb", 0
         reason = f"{where} calls apply_rotary_pos_emb: cos/sin arrive folded as (batch, seq, dim)"
     else:
@@ -204,17 +414,13 @@ def _resolve_rope_apply(fam, capability):
             f"apply_multimodal_rotary_pos_emb nor apply_rotary_pos_emb; this release is not covered by tfcompat "
             f"(tested {_version.MIN_TRANSFORMERS} to {_version.TESTED_MAX_TRANSFORMERS}); please report it"
         )
-    fn = getattr(module, name)
+    fn = module.function(name) or _Def(name, (), "")
     rotation = fam.rotation
     if rotation == "deinterleave" and name != "apply_rotary_pos_emb_interleave":
         # GLM-5 (glm_moe_dsa) 5.3-5.5 rotate the rope part of its MLA heads as plain NeoX halves
         rotation = "neox"
         reason += "; NeoX halves (this release does not call apply_rotary_pos_emb_interleave)"
-    try:
-        params = list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        params = []
-    single = len(params) > 1 and params[1] == "cos"  # apply_rotary_pos_emb(x, cos, sin): one tensor a call
+    single = len(fn.params) > 1 and fn.params[1] == "cos"  # apply_rotary_pos_emb(x, cos, sin): one tensor a call
     if single:
         reason += "; the function rotates one tensor per call"
     gptj_cos = ""
@@ -227,8 +433,8 @@ def _resolve_rope_apply(fam, capability):
                   "already interleaved by the rotary module")
         reason += f"; GPT-J pairs, cos {layout}"
     plan = RopePlan(rotation=rotation, cos_rows=rows, gptj_cos=gptj_cos, mrope=fam.mrope, single=single)
-    return Resolution(capability, name, f"{module.__name__}.{name}", reason,
-                      str(_version.transformers_version()), plan, fn)
+    return Resolution(capability, name, f"{module.name}.{name}", reason,
+                      str(_version.transformers_version()), plan, (module.name, name))
 
 
 _SECTION_DEFAULT = re.compile(r"""get\(\s*["']mrope_section["']\s*,\s*\[([\d,\s]+)\]""")
@@ -238,29 +444,31 @@ def _resolve_rope_init(fam, capability):
     module = _modeling(fam, capability)
     if fam.nope:
         return _nope(fam, capability, module, RopeInitPlan(config_key="", reads_partial_rotary=False))
-    rotary = _attr(module, fam.rotary, capability)
-    default = getattr(rotary, "compute_default_rope_parameters", None)
+    init = _method(module, fam.rotary, "__init__", capability)
+    default = module.method(fam.rotary, "compute_default_rope_parameters")
     if default is not None:
         # 5.x: a per-model staticmethod reads config.rope_parameters (transformers 5.0.0)
         reads_partial = _probe(capability, "whether partial_rotary_factor is read", default,
                                lambda b: "partial_rotary_factor" in b,
                                _NO_FACT if fam.reads_partial_rotary == PROBE_ONLY else fam.reads_partial_rotary)
         key, impl = "rope_parameters", "compute_default_rope_parameters"
-        source = f"{module.__name__}.{fam.rotary}.compute_default_rope_parameters"
+        source = f"{module.name}.{fam.rotary}.compute_default_rope_parameters"
         reason = f"{fam.rotary} has compute_default_rope_parameters (config.rope_parameters)"
     else:
-        key, impl, reads_partial, source, reason = transformers4.rope_init(fam, module.__name__)
+        key, impl, reads_partial, source, reason = transformers4.rope_init(fam, module.name)
+
     def default_section(body):
         match = _SECTION_DEFAULT.search(body)
         return tuple(int(x) for x in match.group(1).split(",") if x.strip()) if match else None
 
     declared = fam.default_mrope_section if fam.mrope != "none" else None
-    section = _probe(capability, "the default mrope_section", rotary.__init__, default_section,
+    section = _probe(capability, "the default mrope_section", init, default_section,
                      _NO_FACT if declared == PROBE_ONLY else declared)
     if section:
         reason += f"; rotary module defaults mrope_section to {list(section)}"
     plan = RopeInitPlan(config_key=key, reads_partial_rotary=reads_partial, default_mrope_section=section)
-    return Resolution(capability, impl, source, reason, str(_version.transformers_version()), plan, rotary)
+    return Resolution(capability, impl, source, reason, str(_version.transformers_version()), plan,
+                      (module.name, fam.rotary))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,24 +484,24 @@ class AttentionPlan:
 
 def _resolve_attention(fam, capability):
     module = _modeling(fam, capability)
-    attention = _attr(module, fam.attention, capability)
-    fn = inspect.unwrap(attention.forward)
-    params = tuple(p for p in inspect.signature(fn).parameters if p != "self")
-    returns = _probe(capability, "the attention's return arity", fn, lambda b: 3 if re.search(
+    forward = _method(module, fam.attention, "forward", capability)
+    returns = _probe(capability, "the attention's return arity", forward, lambda b: 3 if re.search(
         r"return\s+attn_output\s*,\s*attn_weights\s*,\s*past_key_value", b) else 2)
-    text_model = next((n for n in (f"{fam.prefix}TextModel", f"{fam.prefix}Model") if hasattr(module, n)), "")
+    text_model = next((n for n in (f"{fam.prefix}TextModel", f"{fam.prefix}Model") if module.has(n)), "")
     if not text_model:
         raise UnsupportedTransformersError(f"{capability}: no {fam.prefix}TextModel / {fam.prefix}Model in "
-                                           f"{module.__name__}")
-    four = _probe(capability, "whether the text model splits 4-row position ids", getattr(module, text_model).forward,
+                                           f"{module.name}")
+    four = _probe(capability, "whether the text model splits 4-row position ids",
+                  _method(module, text_model, "forward", capability),
                   lambda b: bool(re.search(r"shape\[0\]\s*==\s*4", b)))
-    linear = f"{fam.prefix}GatedDeltaNet" if hasattr(module, f"{fam.prefix}GatedDeltaNet") else ""
+    linear = f"{fam.prefix}GatedDeltaNet" if module.has(f"{fam.prefix}GatedDeltaNet") else ""
     ids = ("splits 4-row position ids" if four else
            "takes 3-row position ids only (tfcompat strips the text row)" if fam.vision else "takes 2-D position ids")
+    params = forward.params
     reason = f"{fam.attention}.forward({', '.join(params)}) returns a {returns}-tuple; {text_model}.forward {ids}"
     plan = AttentionPlan(params, returns, text_model, four, linear)
-    return Resolution(capability, "bundled", f"{module.__name__}.{fam.attention}.forward",
-                      reason, str(_version.transformers_version()), plan, module)
+    return Resolution(capability, "bundled", f"{module.name}.{fam.attention}.forward",
+                      reason, str(_version.transformers_version()), plan, (module.name, ""))
 
 
 _RESOLVERS = {
@@ -332,21 +540,31 @@ def resolve(kind, family):
 def installed_families():
     """Names of the supported families whose modeling module the installed transformers ships."""
     _version.require_supported_transformers()
-    found = []
-    for name, fam in FAMILIES.items():
-        try:
-            spec = importlib.util.find_spec(fam.modeling)
-        except ModuleNotFoundError:
-            spec = None
-        if spec is not None:
-            found.append(name)
-    return found
+    return [name for name, fam in FAMILIES.items() if _exists(fam.modeling)]
+
+
+def installed(package):
+    """Whether a top-level package is installed (found on the path, not imported)."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def torch_ships(path):
+    """Whether the installed torch has the file ``path`` (relative to its package), read without importing it."""
+    spec = importlib.util.find_spec("torch")
+    return bool(spec and spec.origin) and os.path.exists(os.path.join(os.path.dirname(spec.origin), path))
 
 
 def _varlen_backends():
-    from . import varlen
+    if installed("flash_attn"):
+        from . import varlen  # flash-attn must be imported to know whether it works (it often does not)
 
-    cuda = varlen.backend(None)
+        cuda = varlen.backend(None)
+    else:  # the same decision without importing torch: report stays fast
+        cuda = "torch_varlen" if torch_ships("nn/attention/varlen.py") else "sdpa"
     return Resolution("varlen.backend", cuda, "", f"packed attention: CUDA fp16/bf16 tensors -> {cuda}; "
                       f"CPU, fp32 or dropout -> sdpa (exact fallback, one fused SDPA call per sequence)",
                       str(_version.transformers_version()))

@@ -59,8 +59,10 @@ def prepare(config_or_model_type: Any) -> _resolve.Resolution:
     Returns the :class:`Resolution` of ``rope.apply`` for the family.
     """
     fam = _family(config_or_model_type)
-    _resolve.resolve("rope.init", fam.name)
-    return _resolve.resolve("rope.apply", fam.name)
+    _resolve.resolve("rope.init", fam.name).target
+    res = _resolve.resolve("rope.apply", fam.name)
+    res.target  # imported now: a compiled region must not import
+    return res
 
 
 def _impl(impl):
@@ -174,6 +176,8 @@ def _compiling():
 @functools.lru_cache(maxsize=None)
 def _triton_kernels():
     """The Triton kernel module, or the reason it cannot be used (cached: imported once per process)."""
+    if not _resolve.installed("triton"):  # found without importing: absent costs nothing (report imports no torch)
+        return "triton is not installed; install triton, or use impl='native' or 'composite'"
     try:
         from ._kernels import rope_triton
     except ImportError as exc:  # no triton (CPU builds of torch do not ship it)

@@ -28,7 +28,8 @@ from typing import Optional
 
 import torch
 
-from .errors import PackingError
+from . import _resolve
+from .errors import PackingError, TfcompatError
 
 __all__ = ["PackingError", "cu_seqlens_from_position_ids", "check_cu_seqlens", "varlen_attention",
            "flash_attn_available", "backend"]
@@ -104,19 +105,24 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tens
 
 @functools.lru_cache(maxsize=None)
 def _flash_varlen():
+    if not _resolve.installed("flash_attn"):  # found without importing: absent costs nothing
+        return None
     try:
         from flash_attn import flash_attn_varlen_func
-    except Exception:  # not installed, or built for another torch/CUDA
+    except Exception:  # built for another torch/CUDA
         return None
     return flash_attn_varlen_func
 
 
 @functools.lru_cache(maxsize=None)
 def _torch_varlen():
+    """PyTorch's ``varlen_attn`` (torch 2.10+), imported on first use: importing it loads torch._dynamo
+    (~2 s), which ``report`` and CPU runs need not pay; whether torch ships it is read from its files."""
     try:
         from torch.nn.attention.varlen import varlen_attn
-    except Exception:  # torch before 2.10
-        return None
+    except Exception as exc:
+        raise TfcompatError(f"varlen_attention: torch {torch.__version__} ships torch.nn.attention.varlen but it "
+                            f"does not import ({exc}); repair the torch install") from None
     return varlen_attn
 
 
@@ -130,7 +136,7 @@ def backend(tensor: Optional[torch.Tensor] = None, dropout_p: float = 0.0) -> st
     cuda_half = tensor is None or (tensor.is_cuda and tensor.dtype in (torch.float16, torch.bfloat16))
     if cuda_half and _flash_varlen() is not None:
         return "flash_attn"
-    if cuda_half and dropout_p == 0.0 and _torch_varlen() is not None:
+    if cuda_half and dropout_p == 0.0 and _resolve.torch_ships("nn/attention/varlen.py"):
         return "torch_varlen"
     return "sdpa"
 
