@@ -14,6 +14,9 @@ def pytest_sessionstart(session):
     print(f"\ntfcompat tests: transformers {installed}, torch {torch_version}, expected {expected or '(any)'}")
     if expected and expected != "latest" and installed != expected:
         pytest.exit(f"tox env expects transformers {expected} but {installed} is installed", returncode=3)
+    want_torch = os.environ.get("TFCOMPAT_EXPECT_TORCH")
+    if want_torch and torch_version.split("+")[0] != want_torch:
+        pytest.exit(f"tox env expects torch {want_torch} but {torch_version} is installed", returncode=3)
     if os.environ.get("TFCOMPAT_EXPECT_TRITON"):
         from _helpers import triton_ready
 

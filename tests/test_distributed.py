@@ -17,7 +17,7 @@ from tfcompat.errors import UlyssesError
 from tfcompat.packing import pack, unpack
 from tfcompat.ulysses import gather_from_ranks, slice_for_rank
 
-from _dist import merged, run_cases, spawn
+from _dist import assert_ok, merged, run_cases, spawn
 from _helpers import installed, linear_attention, patchable  # noqa: F401
 from _models import padded, text_model, tiny_model, tiny_pixels, tiny_sequence
 
@@ -200,8 +200,7 @@ def outcomes():
 
 
 def _assert_ok(outcomes, case):
-    assert case in outcomes, f"case {case} did not run: {sorted(outcomes)}"
-    assert outcomes[case] == "ok", outcomes[case]
+    assert_ok(outcomes, case)
 
 
 @pytest.mark.parametrize("name", ULYSSES)

@@ -15,7 +15,7 @@ from tfcompat._families import FAMILIES as SPECS
 from tfcompat.packing import pack, unpack
 from tfcompat.ulysses import gather_from_ranks, slice_for_rank
 
-from _dist import merged, run_cases, spawn
+from _dist import assert_ok, merged, run_cases, spawn
 from _helpers import installed, linear_attention, patchable  # noqa: F401
 from _models import padded, tiny_model, tiny_sequence
 
@@ -106,4 +106,4 @@ def outcomes():
 
 @pytest.mark.parametrize("name", MESH_FAMILIES)
 def test_fsdp2_times_ulysses_on_a_2x2_mesh(outcomes, name):
-    assert outcomes.get(f"mesh:{name}") == "ok", outcomes.get(f"mesh:{name}", f"did not run: {sorted(outcomes)}")
+    assert_ok(outcomes, f"mesh:{name}")

@@ -184,7 +184,7 @@ class _Text:
     """One modeling module read from its file. Only the top-level statements a probe asks about are
     parsed (``ast`` over a whole 200 kB modeling file costs ~50 ms; a report reads ~30 of them)."""
 
-    def __init__(self, name, text):
+    def __init__(self, name: str, text: str) -> None:
         self.name = name
         self._text = text
         self._package = name.rsplit(".", 1)[0]
@@ -293,7 +293,8 @@ class _Imported:
         return hasattr(self._module, name)
 
     @staticmethod
-    def _def(where, fn):
+    def definition(where, fn):
+        """A live function as the probes see it (its source, where the install ships it)."""
         fn = inspect.unwrap(fn)
         try:
             params = tuple(p for p in inspect.signature(fn).parameters if p not in ("self", "cls"))
@@ -307,11 +308,11 @@ class _Imported:
 
     def function(self, name):
         fn = getattr(self._module, name, None)
-        return self._def(name, fn) if callable(fn) else None
+        return self.definition(name, fn) if callable(fn) else None
 
     def method(self, cls, name):
         fn = getattr(getattr(self._module, cls, None), name, None)
-        return self._def(f"{cls}.{name}", fn) if fn is not None else None
+        return self.definition(f"{cls}.{name}", fn) if fn is not None else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -362,6 +363,11 @@ def _modeling(fam, capability):
             f"{capability}: transformers {installed} has no {fam.modeling} ({exc}); the {fam.name} family "
             f"first ships with transformers {fam.since}; upgrade transformers or use another family"
         ) from None
+
+
+def imported(fam, capability):
+    """The family's modeling module, imported (for code that calls into it, not for probes)."""
+    return importlib.import_module(_modeling(fam, capability).name)
 
 
 def _method(module, cls, name, capability):

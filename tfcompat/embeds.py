@@ -307,9 +307,10 @@ def _splits_frames(fn):
 
 @functools.lru_cache(maxsize=None)
 def _splits_frames_of(function):
-    from ._resolve import _probe
+    from ._resolve import _Imported, _probe
 
-    return _probe("rope_index", "whether get_rope_index splits video grids per frame", function,
+    found = _Imported.definition(getattr(function, "__qualname__", "get_rope_index"), function)
+    return _probe("rope_index", "whether get_rope_index splits video grids per frame", found,
                   lambda body: "repeat_interleave(video_grid_thw" in body or "video" not in body)
 
 
@@ -335,7 +336,7 @@ def _rope_index_method(config_or_model):
         raise EmbedsError(f"rope_index: {fam.name} is a text family; its position ids are 0, 1, 2, ... per sequence")
     from . import _resolve
 
-    module = _resolve._modeling(fam, f"rope_index:{fam.name}")
+    module = _resolve.imported(fam, f"rope_index:{fam.name}")
     for name in (f"{fam.prefix}Model", f"{fam.prefix}ForConditionalGeneration"):
         cls = getattr(module, name, None)
         if cls is not None and hasattr(cls, "get_rope_index"):
