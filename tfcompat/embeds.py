@@ -107,11 +107,7 @@ def _features(owner, kind, pixels, grid):
     visual = owner.visual
     method = getattr(owner, f"get_{kind}_features", None)
     if method is not None:
-        try:
-            out = method(pixels, grid)
-        except TypeError:
-            out = method(pixels, grid, return_dict=True)
-        return unpack_visual_output(out)
+        return unpack_visual_output(method(pixels, grid))
     return unpack_visual_output(visual(pixels.type(visual.dtype), grid_thw=grid))
 
 
