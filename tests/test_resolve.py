@@ -168,12 +168,12 @@ def test_reading_the_files_decides_as_importing_does(monkeypatch, name):
     """The resolvers read modeling files as text (so ``report`` imports no torch); Python's own view of the
     imported module (inspect, MRO) must lead to the same decisions, for every capability, on this release."""
     tfcompat.clear_cache()
-    read = [_resolve.resolve(kind, name) for kind in _resolve._RESOLVERS]
+    read = [_resolve.resolve(kind, name) for kind in _resolve.kinds(name)]
     assert all(isinstance(_resolve._module(m), _resolve._Text) for m in {SPECS[name].modeling})
     tfcompat.clear_cache()
     monkeypatch.setattr(_resolve, "_read", lambda module: None)
     try:
-        imported = [_resolve.resolve(kind, name) for kind in _resolve._RESOLVERS]
+        imported = [_resolve.resolve(kind, name) for kind in _resolve.kinds(name)]
         assert isinstance(_resolve._module(SPECS[name].modeling), _resolve._Imported)
     finally:
         monkeypatch.undo()
@@ -207,3 +207,20 @@ def test_the_file_reader_survives_unindented_strings_and_follows_bases():
     assert mod.has("CONSTANT") and mod.has("helper") and mod.has("Renamed") and not mod.has("unindented")
     assert mod._imports["Renamed"] == ("transformers.models.other.modeling_other", "Base")
     assert mod.method("B", "missing") is None
+
+
+@pytest.mark.parametrize("name", [n for n in installed() if "rope_index" in _resolve.kinds(n)])
+def test_rope_index_resolution_is_the_method_rope_index_calls(name):
+    """``report``'s rope_index line names the get_rope_index that tfcompat.embeds.rope_index calls, and its
+    frame-split decision (read from the file) equals probing that live function."""
+    import inspect
+
+    from tfcompat.embeds import _rope_index_method, _splits_frames_of
+    from tfcompat.testing import tiny_config
+
+    res = _resolve.resolve("rope_index", name)
+    fn, _ = _rope_index_method(tiny_config(name))
+    assert fn.__func__ is res.target.get_rope_index
+    assert res.plan.splits_frames == _splits_frames_of(fn.__func__)
+    assert res.plan.params == tuple(inspect.signature(fn).parameters)
+    assert f"rope_index:{name}" in {r.capability for r in tfcompat.report([name])}

@@ -365,11 +365,6 @@ def _modeling(fam, capability):
         ) from None
 
 
-def imported(fam, capability):
-    """The family's modeling module, imported (for code that calls into it, not for probes)."""
-    return importlib.import_module(_modeling(fam, capability).name)
-
-
 def _method(module, cls, name, capability):
     found = module.method(cls, name)
     if found is None:
@@ -510,11 +505,57 @@ def _resolve_attention(fam, capability):
                       reason, str(_version.transformers_version()), plan, (module.name, ""))
 
 
+@dataclasses.dataclass(frozen=True)
+class RopeIndexPlan:
+    """Where the installed release computes a vision family's mRoPE position ids."""
+
+    #: the class whose ``get_rope_index`` tfcompat.embeds.rope_index calls
+    owner: str
+    #: whether it splits each video grid per frame itself (Qwen3-VL gives every frame its own vision block)
+    splits_frames: bool
+    params: tuple
+
+
+def _resolve_rope_index(fam, capability):
+    if not fam.vision or fam.embeds_refusal:
+        raise TfcompatError(f"{capability}: tfcompat.embeds.rope_index serves vision families; {fam.name} is "
+                            f"{'refused by it: ' + fam.embeds_refusal if fam.embeds_refusal else 'a text family'}")
+    module = _modeling(fam, capability)
+    for owner in (f"{fam.prefix}Model", f"{fam.prefix}ForConditionalGeneration"):
+        fn = module.method(owner, "get_rope_index")
+        if fn is not None:
+            break
+    else:
+        raise UnsupportedTransformersError(
+            f"{capability}: transformers {_version.transformers_version()} has no get_rope_index on "
+            f"{fam.prefix}Model or {fam.prefix}ForConditionalGeneration")
+    splits = _probe(capability, "whether get_rope_index splits video grids per frame", fn, splits_video_frames)
+    reason = f"{owner}.get_rope_index({', '.join(fn.params)})"
+    if fam.video_block_per_frame:  # every video frame is its own vision block
+        reason += ("; splits video grids per frame itself" if splits else
+                   "; reads one grid row per frame block: tfcompat splits video grids per frame")
+    return Resolution(capability, "get_rope_index", f"{module.name}.{owner}.get_rope_index", reason,
+                      str(_version.transformers_version()), RopeIndexPlan(owner, splits, fn.params),
+                      (module.name, owner))
+
+
+def splits_video_frames(body):
+    """The probe of a ``get_rope_index`` source: does it split video grids per frame (or take no videos)?"""
+    return "repeat_interleave(video_grid_thw" in body or "video" not in body
+
+
 _RESOLVERS = {
     "rope.apply": _resolve_rope_apply,
     "rope.init": _resolve_rope_init,
     "attention.signature": _resolve_attention,
+    "rope_index": _resolve_rope_index,
 }
+
+
+def kinds(family):
+    """The capabilities that exist for ``family`` (rope_index: the vision families tfcompat.embeds serves)."""
+    fam = _family(family)
+    return [k for k in _RESOLVERS if k != "rope_index" or (fam.vision and not fam.embeds_refusal)]
 
 
 def resolve(kind, family):
@@ -538,7 +579,9 @@ def resolve(kind, family):
             raise TfcompatError(f"unknown capability kind {kind!r}; known: {', '.join(sorted(_RESOLVERS))}")
         # a composite that runs another family's text decoder (GLM-4.6V: GLM-4V's) is resolved in that
         # family's modeling module, under its own name
-        result = _RESOLVERS[kind](FAMILIES[fam.text_family] if fam.text_family else fam, capability)
+        # (rope_index belongs to the composite itself)
+        decoder = FAMILIES[fam.text_family] if fam.text_family and kind != "rope_index" else fam
+        result = _RESOLVERS[kind](decoder, capability)
         _cache[capability] = result
         return result
 
@@ -596,7 +639,7 @@ def report(families=None):
     names = installed_families() if families is None else [_family(f).name for f in families]
     out = [_rope_impls(), _varlen_backends()]
     for name in names:
-        for kind in _RESOLVERS:
+        for kind in kinds(name):
             try:
                 out.append(resolve(kind, name))
             except UnsupportedTransformersError as exc:

@@ -296,18 +296,24 @@ def _deepstack(parts):
 
 
 # ------------------------------------------------------------------------------ rope index
-def _splits_frames(fn):
-    """Whether this release's get_rope_index splits video grids per frame itself (probed in its source)."""
-    return _splits_frames_of(getattr(fn, "__func__", fn))
+def _splits_frames(fn, fam):
+    """Whether this get_rope_index splits video grids per frame itself: the release's decision (``report``
+    lists it as ``rope_index``), or, for a get_rope_index a framework put in its place, its own source."""
+    from . import _resolve
+
+    res = _resolve.resolve("rope_index", fam.name)
+    function = getattr(fn, "__func__", fn)
+    if function is getattr(res.target, "get_rope_index", None):
+        return res.plan.splits_frames
+    return _splits_frames_of(function)
 
 
 @functools.lru_cache(maxsize=None)
 def _splits_frames_of(function):
-    from ._resolve import _Imported, _probe
+    from ._resolve import _Imported, _probe, splits_video_frames
 
     found = _Imported.definition(getattr(function, "__qualname__", "get_rope_index"), function)
-    return _probe("rope_index", "whether get_rope_index splits video grids per frame", found,
-                  lambda body: "repeat_interleave(video_grid_thw" in body or "video" not in body)
+    return _probe("rope_index", "whether get_rope_index splits video grids per frame", found, splits_video_frames)
 
 
 def _rope_index_method(config_or_model):
@@ -332,21 +338,15 @@ def _rope_index_method(config_or_model):
         raise EmbedsError(f"rope_index: {fam.name} is a text family; its position ids are 0, 1, 2, ... per sequence")
     from . import _resolve
 
-    module = _resolve.imported(fam, f"rope_index:{fam.name}")
-    for name in (f"{fam.prefix}Model", f"{fam.prefix}ForConditionalGeneration"):
-        cls = getattr(module, name, None)
-        if cls is not None and hasattr(cls, "get_rope_index"):
-            shell = cls.__new__(cls)
-            torch.nn.Module.__init__(shell)
-            shell.config = config
-            shell.rope_deltas = None
-            vision = getattr(config, "vision_config", None)
-            if vision is not None and hasattr(vision, "spatial_merge_size"):
-                shell.spatial_merge_size = vision.spatial_merge_size  # omni thinkers read it from self
-            return cls.get_rope_index.__get__(shell), config
-    raise UnsupportedTransformersError(
-        f"rope_index: transformers {_resolve._version.transformers_version()} has no get_rope_index on "
-        f"{fam.prefix}Model or {fam.prefix}ForConditionalGeneration")
+    cls = _resolve.resolve("rope_index", fam.name).target
+    shell = cls.__new__(cls)
+    torch.nn.Module.__init__(shell)
+    shell.config = config
+    shell.rope_deltas = None
+    vision = getattr(config, "vision_config", None)
+    if vision is not None and hasattr(vision, "spatial_merge_size"):
+        shell.spatial_merge_size = vision.spatial_merge_size  # omni thinkers read it from self
+    return cls.get_rope_index.__get__(shell), config
 
 
 def _check_grids(config, input_ids, types, image_grid_thw, video_grid_thw, attention_mask):
@@ -410,7 +410,8 @@ def rope_index(config_or_model: Any, input_ids: torch.Tensor, *, image_grid_thw:
     types = mm_token_type_ids if mm_token_type_ids is not None else globals()["mm_token_type_ids"](config, input_ids)
     _check_grids(config, input_ids, types, image_grid_thw, video_grid_thw, attention_mask)
     params = inspect.signature(fn).parameters
-    if video_grid_thw is not None and _family(config).video_block_per_frame and not _splits_frames(fn):
+    if video_grid_thw is not None and _family(config).video_block_per_frame and \
+            not _splits_frames(fn, _family(config)):
         # Qwen3-VL / Qwen3.5 give each video frame its own vision block; get_rope_index of 5.3.x
         # consumes one grid row per block but does not split the grid per frame (later releases
         # do it themselves): split it here, (t, h, w) -> t x (1, h, w)
