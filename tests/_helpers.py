@@ -9,7 +9,7 @@ import torch
 from tfcompat import _resolve
 from tfcompat._families import FAMILIES
 from tfcompat.config import text_config
-from tfcompat.testing import tiny_config
+from tfcompat.testing import assert_close_to_model, tiny_config
 
 # Tolerances from the dtype: fp32 results agree to a few ulp (FMA vs separate multiply-add).
 # bf16: upstream rounds each product and the sum to bf16 (three roundings), native rounds once, so
@@ -100,11 +100,7 @@ def param_grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def close_to_model(got, want, what):
-    """Whole-model comparison (logits, gradients): fp32 summation order differs between the padded and the
-    packed run, so the absolute tolerance scales with the largest magnitude."""
-    scale = max(1.0, want.abs().max().item())
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5 * scale, msg=lambda m: f"{what}: {m}")
+close_to_model = assert_close_to_model  # the one whole-model tolerance, shared with `tfcompat check`
 
 
 def grads_by_name(got, want, what):

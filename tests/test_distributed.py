@@ -18,16 +18,11 @@ from tfcompat.packing import pack, unpack
 from tfcompat.ulysses import gather_from_ranks, slice_for_rank
 
 from _dist import assert_ok, merged, run_cases, spawn
-from _helpers import installed, linear_attention, patchable  # noqa: F401
+from _helpers import close_to_model, installed, linear_attention, patchable  # noqa: F401
 from _models import padded, text_model, tiny_model, tiny_pixels, tiny_sequence
 
 HAVE = patchable()
 ULYSSES = [n for n in HAVE if not linear_attention(n)]  # linear attention: refused (tested below)
-
-
-def _close(got, want, what):
-    scale = max(1.0, want.abs().max().item())
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=3e-5 * scale, msg=lambda m: f"{what}: {m}")
 
 
 def _ulysses_worker(rank, world, name, kv_heads, ckpt):
@@ -55,7 +50,7 @@ def _ulysses_worker(rank, world, name, kv_heads, ckpt):
     got = unpack(gather_from_ranks(local, dim=1, length=total), pk)
     (got * weights * mask[..., None]).sum().backward()
     valid = mask.bool()
-    _close(got.detach()[valid], want.detach()[valid], f"rank {rank} logits")
+    close_to_model(got.detach()[valid], want.detach()[valid], f"rank {rank} logits")
     _compare_summed_grads(model, ref, rank)
 
 
@@ -84,7 +79,7 @@ def _compare_summed_grads(model, ref, rank):
         dist.all_reduce(grad)
         want = q.grad if q.grad is not None else torch.zeros_like(q)
         try:
-            _close(grad, want, f"rank {rank} grad {n}")
+            close_to_model(grad, want, f"rank {rank} grad {n}")
         except AssertionError as exc:
             failures.append(str(exc)[:400])
     assert not failures, "\n".join(failures[:3])
@@ -325,7 +320,7 @@ def _ulysses_vision_worker(rank, world, name):
     hidden = text_model(model)(use_cache=False, **local)[0]
     got = gather_from_ranks(hidden, dim=1, length=total)
     (got * weights).sum().backward()
-    _close(got.detach(), want.detach(), f"rank {rank} hidden")
+    close_to_model(got.detach(), want.detach(), f"rank {rank} hidden")
     _compare_summed_grads(model, ref, rank)
 
 

@@ -16,7 +16,7 @@ from tfcompat.packing import pack, unpack
 from tfcompat.ulysses import gather_from_ranks, slice_for_rank
 
 from _dist import assert_ok, merged, run_cases, spawn
-from _helpers import installed, linear_attention, patchable  # noqa: F401
+from _helpers import close_to_model, installed, linear_attention, patchable  # noqa: F401
 from _models import padded, tiny_model, tiny_sequence
 
 HAVE = patchable()
@@ -86,9 +86,7 @@ def _mesh_case(rank, world, name):
         losses.append(total_loss.item() / 2)  # each micro-batch's loss was summed by its 2 sp ranks
     assert losses == pytest.approx(want_losses, rel=1e-4), (losses, want_losses)
     for n, p in model.named_parameters():
-        full = p.detach().full_tensor()
-        scale = max(1.0, want[n].abs().max().item())
-        torch.testing.assert_close(full, want[n], rtol=1e-4, atol=2e-5 * scale, msg=lambda m, n=n: f"{n}: {m}")
+        close_to_model(p.detach().full_tensor(), want[n], n)
 
 
 def _cases(rank, world):

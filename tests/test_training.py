@@ -15,7 +15,7 @@ import tfcompat
 from tfcompat._families import FAMILIES as SPECS
 from tfcompat.packing import pack, unpack
 
-from _helpers import grads_by_name, installed, linear_attention, patchable  # noqa: F401
+from _helpers import close_to_model, grads_by_name, installed, linear_attention, patchable  # noqa: F401
 from _models import forward_kwargs, padded, run_upstream, three_d_positions, tiny_model, tiny_pixels, tiny_sequence
 
 FAMILIES = patchable()
@@ -31,15 +31,10 @@ def _batch(name, image):
     return ids, mask, pixels
 
 
-def _close(got, want, what):
-    scale = max(1.0, want.abs().max().item())
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=3e-5 * scale, msg=lambda m: f"{what}: {m}")
-
-
 def _close_all(got, want, what):
     """Gradients (or parameters) by name: close, and any present in one run only exactly zero."""
     for key, g, w in grads_by_name(got, want, what):
-        _close(g, w, f"{what} {key}")
+        close_to_model(g, w, f"{what} {key}")
 
 
 def _clean(name):
@@ -100,7 +95,7 @@ def test_checkpointed_packed_training_equals_padded(name, how):
     logits, out = _packed_call(model, ids, mask, pixels)
     (logits * weights * mask[..., None]).sum().backward()
     valid = mask.bool()
-    _close(logits[valid].detach(), want[valid], f"{name}/{how} logits")
+    close_to_model(logits[valid].detach(), want[valid], f"{name}/{how} logits")
     grads = _grads(model)
     _close_all(grads, want_grads, f"{name}/{how} grad")
 
@@ -117,7 +112,7 @@ def test_default_use_cache_in_eval_mode(name):
                                           **forward_kwargs(model, ids, **pixels)).logits)
         tfcompat.patch(model)
         got, out = _packed_call(model, ids, mask, pixels)
-    _close(got[mask.bool()], want[mask.bool()], f"{name} eval, default use_cache")
+    close_to_model(got[mask.bool()], want[mask.bool()], f"{name} eval, default use_cache")
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -252,7 +247,7 @@ def test_one_unpacked_sample_with_an_image_is_not_cut(name):
         got = model(input_ids=ids, attention_mask=torch.ones_like(ids), **forward_kwargs(model, ids, **pixels)).logits
         got_nomask = model(input_ids=ids, **forward_kwargs(model, ids, **pixels)).logits
     assert torch.equal(got, want)
-    _close(got_nomask, want_nomask, f"{name} one sample, no mask")
+    close_to_model(got_nomask, want_nomask, f"{name} one sample, no mask")
 
 
 @pytest.mark.parametrize("name", VISION)
@@ -382,7 +377,7 @@ def test_rl_actor_step_with_framework_shaped_inputs(name, layout):
     got = logprobs(got[:, :-1], ids[:, 1:])
     (got * response_mask[:, 1:]).sum().backward()
     sel = response_mask[:, 1:].bool()
-    _close(got[sel].detach(), want[sel].detach(), f"{name}/{layout} response log-probs")
+    close_to_model(got[sel].detach(), want[sel].detach(), f"{name}/{layout} response log-probs")
     _close_all(_grads(model), want_grads, f"{name}/{layout} grad")
 
 

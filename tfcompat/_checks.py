@@ -6,6 +6,8 @@ Inputs are tiny random tensors and tiny random-weight configs; nothing is downlo
 
 import time
 
+from .testing import MODEL_RTOL
+
 # fp32: a few ulp of O(1) values; bf16: two ulps (2**-5 each) for |x| < 8
 _TOL = {"fp32": 1e-5, "bf16": 2.0 ** -4}
 
@@ -212,8 +214,9 @@ CHECKS = (
     ("embeds.dummy", lambda n: _embeds_vs_model(n, 0), _vision),
 )
 
-# relative to the largest magnitude, for whole-model comparisons (fp32 summation order differs)
-_TOL["attention"] = 1e-4
+# relative to the largest magnitude, for whole-model comparisons (fp32 summation order differs): the tests'
+# whole-model tolerance (tfcompat.testing.MODEL_RTOL)
+_TOL["attention"] = MODEL_RTOL
 _TOL["embeds"] = 0.0
 
 

@@ -19,7 +19,15 @@ from ._families import FAMILIES as _FAMILIES
 from ._families import TEXT_HIDDEN
 from ._families import family as _family
 
-__all__ = ["tiny_config", "tiny_model", "tiny_sequence", "tiny_pixels", "model_class", "TINY_SECTIONS"]
+__all__ = ["tiny_config", "tiny_model", "tiny_sequence", "tiny_pixels", "model_class", "TINY_SECTIONS",
+           "assert_close_to_model", "MODEL_RTOL", "MODEL_ATOL"]
+
+#: The tolerance of whole-model comparisons (logits, gradients, parameters after optimizer steps; a patched
+#: packed row against upstream's padded batch, sharded ranks against one process), in fp32: the sums run in
+#: another order, so the absolute part scales with the reference's largest magnitude. tfcompat's tests and
+#: ``tfcompat check`` (``attention.packed``: max|diff| / max(1, max|want|) <= MODEL_RTOL) use it.
+MODEL_RTOL = 1e-4
+MODEL_ATOL = 3e-5
 
 HEAD_DIM = 32
 
@@ -155,3 +163,12 @@ def tiny_pixels(images: int = 0, videos: int = 0, seed: int = 0) -> dict:
         out["pixel_values_videos"] = torch.randn(32 * videos, patch_dim, generator=g)
         out["video_grid_thw"] = torch.tensor([[2, 4, 4]] * videos)
     return out
+
+
+def assert_close_to_model(got: Any, want: Any, what: str = "") -> None:
+    """``torch.testing.assert_close`` with the whole-model tolerance (:data:`MODEL_RTOL`, :data:`MODEL_ATOL`
+    times ``max(1, max|want|)``); ``what`` prefixes the message."""
+    import torch
+
+    scale = max(1.0, want.abs().max().item())
+    torch.testing.assert_close(got, want, rtol=MODEL_RTOL, atol=MODEL_ATOL * scale, msg=lambda m: f"{what}: {m}")
