@@ -3,6 +3,7 @@
 import ast
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -25,6 +26,28 @@ def test_no_module_imports_the_package_absolutely():
                 names = [node.value] if node.value.startswith("tfcompat.") and " " not in node.value else []
             offenders += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names
                           if n == "tfcompat" or n.startswith("tfcompat.")]
+    assert not offenders, offenders
+
+
+def test_the_family_table_is_the_only_place_a_family_is_named():
+    """Behaviour keyed on a family is a field of its table entry: no other module of the package holds a
+    family's name or alias in code (docstrings may, for runnable examples)."""
+    from tfcompat._families import FAMILIES
+
+    names = {n for f in FAMILIES.values() for n in (f.name, *f.aliases)}
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "_families.py":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)
+                      and isinstance(node.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                found = {w for w in re.findall(r"[A-Za-z0-9_.]+", node.value) if w in names}
+                offenders += [f"{path.relative_to(ROOT)}:{node.lineno}: {w}" for w in sorted(found)]
     assert not offenders, offenders
 
 
