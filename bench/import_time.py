@@ -5,12 +5,15 @@
 Prints medians: `import tfcompat` (target: under 20 ms, and
 neither torch nor transformers loaded), importing the family's modeling module, and the first
 apply_rope call after that import (resolution and probing; target: no more than the import).
+Then `tfcompat report` (every family) against `import torch, transformers` alone, wall time of whole
+fresh processes (target: report under 3 s, and below the bare import it no longer needs).
 """
 
 import argparse
 import statistics
 import subprocess
 import sys
+import time
 
 PROBE = r"""
 import sys, time
@@ -59,6 +62,14 @@ def main():
     print(f"{'import tfcompat ms':>20}{'+ rope, config ms':>19}{'import modeling ms':>20}{'first apply_rope ms':>21}"
           f"{'first/import':>14}")
     print(f"{m(tf):20.2f}{m(sub):19.2f}{m(mod):20.1f}{m(first):21.1f}{m(first) / m(mod):14.2f}")
+    report, bare = [], []
+    for _ in range(args.repeats):
+        for into, cmd in ((report, ["-m", "tfcompat", "report"]), (bare, ["-c", "import torch, transformers"])):
+            start = time.perf_counter()
+            subprocess.run([sys.executable, *cmd], capture_output=True, check=True)
+            into.append(time.perf_counter() - start)
+    print(f"{'tfcompat report s':>20}{'import torch+tf s':>19}{'report/import':>20}")
+    print(f"{m(report):20.2f}{m(bare):19.2f}{m(report) / m(bare):20.2f}")
 
 
 if __name__ == "__main__":
