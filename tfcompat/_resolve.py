@@ -169,11 +169,11 @@ def _absolute(package, node):
 
 
 def _params(node):
+    """Parameter names in signature order, as ``inspect.signature`` lists them, without self/cls."""
     a = node.args
-    names = [x.arg for x in (*a.posonlyargs, *a.args)]
-    names += [f"*{a.vararg.arg}"] if a.vararg else []
-    names += [x.arg for x in a.kwonlyargs] + ([f"**{a.kwarg.arg}"] if a.kwarg else [])
-    return tuple(n.lstrip("*") for n in names if n not in ("self", "cls"))
+    names = [x.arg for x in (*a.posonlyargs, *a.args, *([a.vararg] if a.vararg else []), *a.kwonlyargs,
+                             *([a.kwarg] if a.kwarg else []))]
+    return tuple(n for n in names if n not in ("self", "cls"))
 
 
 _TOP = re.compile(r"^(?![\s#)\]}]|else\b|elif\b|except\b|finally\b)", re.M)  # where a top-level statement starts
