@@ -140,13 +140,21 @@ def _root():
     return os.path.dirname(spec.origin) if spec is not None and spec.origin else None
 
 
-def _read(dotted):
-    """The text of transformers' module ``dotted``, or None where there is no .py file to read."""
+def _path(dotted):
+    """Where transformers' module ``dotted`` lies, without the extension (None outside transformers)."""
     root = _root()
     if root is None or not dotted.startswith("transformers."):
         return None
+    return os.path.join(root, *dotted.split(".")[1:])
+
+
+def _read(dotted):
+    """The text of transformers' module ``dotted``, or None where there is no .py file to read."""
+    base = _path(dotted)
+    if base is None:
+        return None
     try:
-        with open(os.path.join(root, *dotted.split(".")[1:]) + ".py", encoding="utf-8") as fh:
+        with open(f"{base}.py", encoding="utf-8") as fh:
             return fh.read()
     except OSError:
         return None
@@ -154,11 +162,8 @@ def _read(dotted):
 
 def _exists(dotted):
     """Whether the installed transformers ships module ``dotted`` (as source or bytecode), without importing."""
-    root = _root()
-    if not root or not dotted.startswith("transformers."):
-        return False
-    base = os.path.join(root, *dotted.split(".")[1:])
-    return os.path.exists(base + ".py") or os.path.exists(base + ".pyc")
+    base = _path(dotted)
+    return base is not None and (os.path.exists(f"{base}.py") or os.path.exists(f"{base}.pyc"))
 
 
 def _absolute(package, node):
@@ -607,13 +612,23 @@ def torch_ships(path):
     return bool(spec and spec.origin) and os.path.exists(os.path.join(os.path.dirname(spec.origin), path))
 
 
-def _varlen_backends():
+@functools.lru_cache(maxsize=None)
+def varlen_kernel(dropout: bool) -> str:
+    """The packed-attention kernel for CUDA fp16/bf16 tensors, decided once: flash-attn where it imports,
+    else PyTorch's varlen_attn where torch ships it (no dropout), else the exact SDPA fallback. torch is
+    imported only to try flash-attn (it must be imported to know whether it works: often it does not)."""
     if installed("flash_attn"):
-        from . import varlen  # flash-attn must be imported to know whether it works (it often does not)
+        from .varlen import _flash_varlen
 
-        cuda = varlen.backend(None)
-    else:  # the same decision without importing torch: report stays fast
-        cuda = "torch_varlen" if torch_ships("nn/attention/varlen.py") else "sdpa"
+        if _flash_varlen() is not None:
+            return "flash_attn"
+    if not dropout and torch_ships("nn/attention/varlen.py"):
+        return "torch_varlen"
+    return "sdpa"
+
+
+def _varlen_backends():
+    cuda = varlen_kernel(False)
     return Resolution("varlen.backend", cuda, "", f"packed attention: CUDA fp16/bf16 tensors -> {cuda}; "
                       f"CPU, fp32 or dropout -> sdpa (exact fallback, one fused SDPA call per sequence)",
                       str(_version.transformers_version()))

@@ -105,11 +105,9 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tens
 
 @functools.lru_cache(maxsize=None)
 def _flash_varlen():
-    if not _resolve.installed("flash_attn"):  # found without importing: absent costs nothing
-        return None
     try:
         from flash_attn import flash_attn_varlen_func
-    except Exception:  # built for another torch/CUDA
+    except Exception:  # not installed, or built for another torch/CUDA
         return None
     return flash_attn_varlen_func
 
@@ -134,11 +132,7 @@ def backend(tensor: Optional[torch.Tensor] = None, dropout_p: float = 0.0) -> st
     "sdpa": the exact fallback, one fused SDPA call per sequence (every device and dtype).
     """
     cuda_half = tensor is None or (tensor.is_cuda and tensor.dtype in (torch.float16, torch.bfloat16))
-    if cuda_half and _flash_varlen() is not None:
-        return "flash_attn"
-    if cuda_half and dropout_p == 0.0 and _resolve.torch_ships("nn/attention/varlen.py"):
-        return "torch_varlen"
-    return "sdpa"
+    return _resolve.varlen_kernel(dropout_p != 0.0) if cuda_half else "sdpa"
 
 
 def flash_attn_available(tensor: Optional[torch.Tensor] = None) -> bool:
