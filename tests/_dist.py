@@ -95,11 +95,8 @@ TORCH_CPU_LIMITS = ("'Stream' object has no attribute 'record_event'", "Cannot u
 
 def assert_ok(outcomes, case):
     """The case ran and passed on every rank (or met one of torch's CPU limits above: skipped, saying which)."""
-    import pytest
-
     assert case in outcomes, f"case {case} did not run: {sorted(outcomes)}"
     limit = next((m for m in TORCH_CPU_LIMITS if m in outcomes[case]), None)
     if limit is not None:
         pytest.skip(f"torch {torch.__version__} cannot run FSDP2 on CPU with gloo ({limit}); NCCL runs it")
     assert outcomes[case] == "ok", outcomes[case]
-

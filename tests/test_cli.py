@@ -12,10 +12,14 @@ from _helpers import installed
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(*args, cwd=None, timeout=300):
+def python(*argv, cwd=None, timeout=300):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "tfcompat", *args], capture_output=True, text=True,
-                          cwd=cwd or ROOT, env=env, timeout=timeout)
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=cwd or ROOT, env=env,
+                          timeout=timeout)
+
+
+def run(*args, cwd=None, timeout=300):
+    return python("-m", "tfcompat", *args, cwd=cwd, timeout=timeout)
 
 
 @pytest.mark.parametrize("command", [[], ["report"], ["check"], ["vendor"]])
@@ -123,9 +127,7 @@ def test_report_imports_neither_transformers_nor_torch():
     code = ("import sys; from tfcompat import _cli; rc = _cli.main(['report']); "
             "print('HEAVY', sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'})); "
             "sys.exit(rc)")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
-                         timeout=300)
+    out = python("-c", code)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     heavy = out.stdout.rsplit("HEAVY", 1)[1].strip()
     torch_needed = _resolve.installed("triton") or _resolve.installed("flash_attn")

@@ -194,39 +194,35 @@ def outcomes():
     return merged(spawn(_cases, 2, timeout=900, collect=True))
 
 
-def _assert_ok(outcomes, case):
-    assert_ok(outcomes, case)
-
-
 @pytest.mark.parametrize("name", ULYSSES)
 def test_ulysses_with_checkpointing_equals_padded(outcomes, name):
     """World 2; odd families use 1 kv head (a group larger than the kv head count); checkpointing varies."""
-    _assert_ok(outcomes, f"ulysses:{name}")
+    assert_ok(outcomes, f"ulysses:{name}")
 
 
 @pytest.mark.parametrize("name", [n for n in HAVE if SPECS[n].vision])
 def test_patched_model_with_a_text_only_rank_under_ddp(outcomes, name):
-    _assert_ok(outcomes, f"patched_ddp:{name}")
+    assert_ok(outcomes, f"patched_ddp:{name}")
 
 
 @pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_vl"])
 def test_patched_model_with_a_text_only_rank_under_fsdp2(outcomes, name):
     if name not in HAVE:
         pytest.skip("not in this release")
-    _assert_ok(outcomes, f"patched_fsdp:{name}")
+    assert_ok(outcomes, f"patched_fsdp:{name}")
 
 
 def test_ulysses_refuses_heads_that_do_not_divide(outcomes):
-    _assert_ok(outcomes, "bad_heads")
+    assert_ok(outcomes, "bad_heads")
 
 
 def test_ulysses_unequal_local_lengths_raise_on_every_rank(outcomes):
-    _assert_ok(outcomes, "unequal_lengths")
+    assert_ok(outcomes, "unequal_lengths")
 
 
 @pytest.mark.parametrize("name", [n for n in HAVE if linear_attention(n)])
 def test_ulysses_refuses_linear_attention(outcomes, name):
-    _assert_ok(outcomes, f"linear_refused:{name}")
+    assert_ok(outcomes, f"linear_refused:{name}")
 
 class _Step(torch.nn.Module):
     """What a training step does: embeddings (real or dummy vision), decoder, head."""
@@ -277,11 +273,11 @@ def _ddp_worker(rank, world, name, mode):
 def test_ddp_with_a_text_only_rank(outcomes, name):
     if name not in HAVE:
         pytest.skip("not in this release")
-    _assert_ok(outcomes, f"ddp:{name}")
+    assert_ok(outcomes, f"ddp:{name}")
 
 
 def test_fsdp_with_a_text_only_rank(outcomes):
-    _assert_ok(outcomes, "fsdp:qwen2_vl")
+    assert_ok(outcomes, "fsdp:qwen2_vl")
 
 
 def _ulysses_vision_worker(rank, world, name):
@@ -329,4 +325,4 @@ def test_ulysses_with_images_and_deepstack(outcomes, name):
     """Embeddings on the full row, then each rank keeps its slice (Qwen3-VL: of the deepstack rows too)."""
     if name not in HAVE:
         pytest.skip("not in this release")
-    _assert_ok(outcomes, f"ulysses_vision:{name}")
+    assert_ok(outcomes, f"ulysses_vision:{name}")
