@@ -50,6 +50,30 @@ def patchable():
     return [n for n in installed() if not FAMILIES[n].patch_refusal]
 
 
+def plan_shape(name):
+    """What a family-independent mechanism (checkpointing, optimizer steps, copies, RL layouts, clients) can
+    depend on: the resolved attention and rotary plans (class names aside), the towers, MoE routing. Families
+    of one shape run the same tfcompat code; the all-family packed == padded sweep (test_patch) and `tfcompat
+    check` still cover every family's own numbers."""
+    fam = FAMILIES[name]
+    attention = _resolve.resolve("attention.signature", name).plan
+    text = text_config(tiny_config(name))
+    moe = any("expert" in key and not key.startswith("_") and getattr(text, key, None) for key in vars(text))
+    return (fam.vision, fam.deepstack, bool(fam.tiny_top), moe, attention.params, attention.returns,
+            attention.four_row_ids, bool(attention.linear_attention), _resolve.resolve("rope.apply", name).plan)
+
+
+def one_per_shape(names):
+    """The first family of each plan shape, in the table's order."""
+    seen, out = set(), []
+    for name in names:
+        key = plan_shape(name)
+        if key not in seen:
+            seen.add(key)
+            out.append(name)
+    return out
+
+
 def linear_attention(name):
     """Whether the family's text decoder has Gated DeltaNet (linear attention) layers on this release."""
     return bool(_resolve.resolve("attention.signature", name).plan.linear_attention)

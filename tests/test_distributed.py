@@ -18,11 +18,13 @@ from tfcompat.packing import pack, unpack
 from tfcompat.ulysses import gather_from_ranks, slice_for_rank
 
 from _dist import assert_ok, merged, run_cases, spawn
-from _helpers import close_to_model, installed, linear_attention, patchable  # noqa: F401
+from _helpers import close_to_model, installed, linear_attention, one_per_shape, patchable  # noqa: F401
 from _models import padded, text_model, tiny_model, tiny_pixels, tiny_sequence
 
 HAVE = patchable()
-ULYSSES = [n for n in HAVE if not linear_attention(n)]  # linear attention: refused (tested below)
+# the Ulysses mechanism on one family per plan shape (every family's numbers: test_patch, `tfcompat check`)
+ULYSSES = [n for n in one_per_shape(HAVE) if not linear_attention(n)]  # linear attention: refused (tested below)
+VISION = [n for n in one_per_shape(HAVE) if SPECS[n].vision]
 
 
 def _ulysses_worker(rank, world, name, kv_heads, ckpt):
@@ -165,7 +167,7 @@ def _patched_ddp_worker(rank, world, name, mode):
 
 def _cases(rank, world):
     cases = []
-    for name in [n for n in HAVE if SPECS[n].vision]:
+    for name in VISION:
         cases.append((f"patched_ddp:{name}", functools.partial(_patched_ddp_worker, rank, world, name, "ddp")))
     for name in ("qwen2_vl", "qwen3_vl"):
         if name in HAVE:
@@ -200,7 +202,7 @@ def test_ulysses_with_checkpointing_equals_padded(outcomes, name):
     assert_ok(outcomes, f"ulysses:{name}")
 
 
-@pytest.mark.parametrize("name", [n for n in HAVE if SPECS[n].vision])
+@pytest.mark.parametrize("name", VISION)
 def test_patched_model_with_a_text_only_rank_under_ddp(outcomes, name):
     assert_ok(outcomes, f"patched_ddp:{name}")
 

@@ -15,12 +15,25 @@ import tfcompat
 from tfcompat._families import FAMILIES as SPECS
 from tfcompat.packing import pack, unpack
 
-from _helpers import close_to_model, grads_by_name, installed, linear_attention, patchable  # noqa: F401
+from _helpers import close_to_model, grads_by_name, linear_attention, one_per_shape, patchable, plan_shape
 from _models import forward_kwargs, padded, run_upstream, three_d_positions, tiny_model, tiny_pixels, tiny_sequence
 
-FAMILIES = patchable()
+ALL = patchable()
+# family-independent mechanisms run on one family per plan shape (_helpers.plan_shape); every family's own
+# numbers are proven by test_patch's packed == padded sweep and by `tfcompat check`
+FAMILIES = one_per_shape(ALL)
 VISION = [n for n in FAMILIES if SPECS[n].vision]
-CKPT = ["hf_reentrant", "hf_non_reentrant", "torch_wrapper_reentrant", "torch_wrapper_non_reentrant"]
+CKPT = ["hf_reentrant", "hf_non_reentrant", "torch_wrapper_reentrant", "torch_wrapper_non_reentrant",
+        # torch's selective activation checkpointing (the FSDP2 recipe): save matmul outputs, or nothing
+        "sac_save_matmul", "sac_save_nothing",
+        # a checkpoint wrapper around the token mixer alone (self_attn / linear_attn), reentrant and not
+        "mixer_reentrant", "mixer_non_reentrant"]
+
+
+def test_every_plan_shape_has_a_family():
+    """The mechanism tests' families cover every plan shape of the installed release."""
+    assert {plan_shape(n) for n in FAMILIES} == {plan_shape(n) for n in ALL}
+    assert len(FAMILIES) == len({plan_shape(n) for n in FAMILIES})
 
 
 def _batch(name, image):
@@ -56,11 +69,31 @@ def _checkpoint(model, how):
     )
 
     impl = CheckpointImpl.REENTRANT if how.endswith("_reentrant") and "non" not in how else CheckpointImpl.NO_REENTRANT
-    layers = {id(m) for m in model.modules() if any(c in ("self_attn", "linear_attn") for c, _ in m.named_children())}
+    kwargs = {}
+    if how.startswith("sac_"):
+        import functools
+
+        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+        matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                   torch.ops.aten.linear.default}
+
+        def policy(ctx, op, *args, **kw):
+            save = how == "sac_save_matmul" and op in matmuls
+            return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+        impl = CheckpointImpl.NO_REENTRANT
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
+    mixers = ("self_attn", "linear_attn")
+    if how.startswith("mixer_"):
+        targets = {id(c) for m in model.modules() for n, c in m.named_children() if n in mixers}
+    else:
+        targets = {id(m) for m in model.modules() if any(c in mixers for c, _ in m.named_children())}
     if impl is CheckpointImpl.REENTRANT:
         model.enable_input_require_grads()  # reentrant checkpoints need an input that requires grad
-    apply_activation_checkpointing(model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=impl),
-                                   check_fn=lambda m: id(m) in layers)
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=impl, **kwargs),
+        check_fn=lambda m: id(m) in targets)
 
 
 def _reference(name, ids, mask, pixels, weights, train):

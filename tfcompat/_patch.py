@@ -48,7 +48,9 @@ __all__ = ["patch", "unpatch", "PatchRecord"]
 
 _ATTR = "_tfcompat_patch"          # per patched module: its _State
 _MODEL_ATTR = "_tfcompat_model"    # per model passed to patch(): its record
-_FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+# what transformers' DataCollatorWithFlattening can emit beside position ids: consumed by the patched text model
+# (validated once per step, turned into the step's boundaries), never forwarded where upstream misreads them
+_FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "cache_params")
 
 
@@ -78,6 +80,7 @@ class _State:
         self.section = None  # attention modules: mRoPE sections, read from the config once at patch time
         self.group, self.world, self.saved_forward = group, world, saved_forward
         self.group_lost = False
+        self.linear_child = False  # decoder layers: holds a linear-attention mixer (gets a _StepMask)
 
     def __deepcopy__(self, memo):
         new = copy.copy(self)
@@ -108,6 +111,15 @@ class _PatchedForward:
     def __call__(self, *args, **kwargs):
         return _FORWARDS[self.kind](self.module, *args, **kwargs)
 
+    @property
+    def __signature__(self):
+        """The signature of the forward this one replaced: HF Trainer filters batch columns by it, and
+        generate() validates its keyword arguments and builds its inputs by it."""
+        state = self.module.__dict__.get(_ATTR)
+        saved = getattr(state, "saved_forward", None)
+        original = saved if saved is not None else type(self.module).forward.__get__(self.module)
+        return inspect.signature(original)
+
     def __repr__(self):
         return f"<tfcompat patched {self.kind} forward of {type(self.module).__name__}>"
 
@@ -126,6 +138,18 @@ class _Carried(tuple):
     """``(cos, sin)`` that also carries the step's boundaries down to the layers."""
 
     step = None
+
+
+class _StepMask:
+    """What a decoder layer that holds a linear-attention mixer passes as ``attention_mask`` in a packed step:
+    the step's boundaries, handed to the mixer through its own call, so a checkpoint wrapper around the mixer
+    alone replays the call with them (the full-attention mixers get theirs through ``_Carried``)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def __repr__(self):
+        return f"<tfcompat packed-step boundaries {list(self.step.bounds)}>"
 
 
 _scope = threading.local()
@@ -256,8 +280,10 @@ def _text_model_forward(self, *args, **kwargs):
                 "attention_mask" in _signature(type(self)).parameters:
             # the numbers of a mask of ones (one unpadded sample per row); transformers 4.53-4.57 crash building
             # the causal mask from 3-row ids without a mask (Qwen2-VL, GLM-4V), and 5.x would read the temporal
-            # row as packed-sequence starts
-            changed["attention_mask"] = torch.ones((batch, local), dtype=torch.long, device=ref.device)
+            # row as packed-sequence starts. With a KV cache (generate()), the mask covers the cached tokens too.
+            cache = next((a[n] for n in _CACHE_NAMES if a.get(n) is not None), None)
+            past = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
+            changed["attention_mask"] = torch.ones((batch, past + local), dtype=torch.long, device=ref.device)
         if changed:
             a.update(changed)
             return _original(self, state, **a)
@@ -328,7 +354,7 @@ def _vl_forward(self, *args, **kwargs):
 
         a["mm_token_type_ids"] = mm_token_type_ids(self.config, a["input_ids"])
         args, kwargs = (), a
-    from .embeds import dummy_audio_zero, dummy_visual_zero, has_audio_tower
+    from .embeds import dummy_audio_zero, dummy_visual_zero, has_audio_tower, tie_zero
 
     # every tower this batch does not feed runs on a dummy input (an omni thinker's audio tower on a batch
     # with images too): DDP/FSDP need the same parameters to get gradients on every rank
@@ -339,9 +365,9 @@ def _vl_forward(self, *args, **kwargs):
     if audio:
         zero = dummy_audio_zero(self) if zero is None else zero + dummy_audio_zero(self)
     if a.get("inputs_embeds") is not None:
-        a["inputs_embeds"] = a["inputs_embeds"] + zero.to(a["inputs_embeds"].dtype)
+        a["inputs_embeds"] = tie_zero(a["inputs_embeds"], zero)
         return _original(self, state, **a)
-    hook = self.get_input_embeddings().register_forward_hook(lambda m, i, out: out + zero.to(out.dtype))
+    hook = self.get_input_embeddings().register_forward_hook(lambda m, i, out: tie_zero(out, zero))
     try:
         return _original(self, state, *args, **kwargs)
     finally:
@@ -366,6 +392,36 @@ def _check_ulysses_lengths(local, batch, group, state):
                            f"an equal slice; cut the row with tfcompat.ulysses.slice_for_rank (it pads the end)")
 
 
+def _text_row(position_ids):
+    """The (batch, seq) text positions of 2-D or 4-row ids; None for 3-row mRoPE ids or none."""
+    if position_ids is None or not hasattr(position_ids, "dim"):
+        return None
+    if position_ids.dim() == 2:
+        return position_ids
+    if position_ids.dim() == 3 and position_ids.shape[0] == 4:
+        return position_ids[0]
+    return None
+
+
+def _cu_from_seq_idx(seq_idx, batch, local):
+    """cu_seqlens (int64, CPU) from transformers' ``seq_idx`` (each token's sequence number in the row)."""
+    import torch
+
+    if seq_idx.dim() != 2 or seq_idx.shape[0] != 1 or batch != 1 or seq_idx.shape[1] != local or \
+            seq_idx.dtype.is_floating_point or seq_idx.device.type == "meta":
+        raise PackingError(f"tfcompat: seq_idx of shape {tuple(seq_idx.shape)} ({seq_idx.dtype}, on "
+                           f"{seq_idx.device}) for an input of batch {batch} and {local} tokens; expected (1, "
+                           f"{local}) integers: one packed row, as DataCollatorWithFlattening(return_seq_idx=True) "
+                           f"returns it")
+    row = seq_idx[0].detach().cpu()
+    step = row[1:] - row[:-1]
+    if local and (int(row[0]) != 0 or bool(((step != 0) & (step != 1)).any())):
+        raise PackingError(f"tfcompat: seq_idx must count sequences 0, 1, 2, ... in order, got {row.tolist()}")
+    starts = torch.nonzero(step).flatten() + 1
+    return torch.cat((torch.zeros(1, dtype=torch.int64), starts.to(torch.int64),
+                      torch.tensor([local], dtype=torch.int64)))
+
+
 def _find_step(state, group, explicit, position_ids, mask, batch, local, device):
     """The step's boundaries, or None for an input that is not packed (and no Ulysses group)."""
     import torch
@@ -379,7 +435,23 @@ def _find_step(state, group, explicit, position_ids, mask, batch, local, device)
             not torch.equal(explicit["cu_seq_lens_k"].cpu(), cu.cpu()):
         raise PackingError("tfcompat: cu_seq_lens_q and cu_seq_lens_k differ; packed training attends each "
                            "sequence to itself, so pass the same boundaries for both")
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"):
+        value = explicit.get(key)
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise PackingError(f"tfcompat: {key} is a {type(value).__name__}; pass a 1-D integer tensor as "
+                               f"transformers' DataCollatorWithFlattening returns it")
+        if value is not None and value.device.type == "meta":
+            raise PackingError(f"tfcompat: {key} is on the meta device and holds no values; pass it on the "
+                               f"model's device (or the CPU)")
     source = "cu_seq_lens_q"
+    seq_idx = explicit.get("seq_idx")
+    if seq_idx is not None:
+        from_idx = _cu_from_seq_idx(seq_idx, batch, local)
+        if cu is not None and not torch.equal(from_idx, cu.detach().to("cpu", torch.int64)):
+            raise PackingError(f"tfcompat: seq_idx marks sequences at {from_idx.tolist()} but cu_seq_lens_q is "
+                               f"{cu.tolist()}; pass both from the same collator")
+        if cu is None:
+            cu, source = from_idx.to(device), "seq_idx"
     if cu is None and _packing.current() is not None:
         cu, max_len = _packing.current()
         source = "packing.packed(cu)"
@@ -394,7 +466,17 @@ def _find_step(state, group, explicit, position_ids, mask, batch, local, device)
                                f"drop the padding (tfcompat.packing.pack does) or pass no mask")
         if group is not None and int(cu[-1]) < total:
             cu = torch.cat((cu.to(device), torch.tensor([total], dtype=cu.dtype, device=device)))  # padded tail
-        return _make_step(cu.to(device), total, explicit.get("max_length_q"), source)
+        step = _make_step(cu.to(device), total, explicit.get("max_length_q"), source)
+        text = _text_row(position_ids)
+        if text is not None and group is None:
+            starts = _starts(text[0], None, "position ids")
+            if starts != list(step.bounds[:-1]):
+                raise PackingError(
+                    f"tfcompat: {source} puts sequence starts at {list(step.bounds[:-1])} but the position ids "
+                    f"restart at 0 at {starts}; RoPE and attention would disagree about where sequences begin; "
+                    f"pass position ids that count from 0 in every sequence of {source} (as "
+                    f"DataCollatorWithFlattening and tfcompat.packing.pack build them)")
+        return step
 
     if position_ids is None:
         if group is not None:
@@ -411,12 +493,19 @@ def _find_step(state, group, explicit, position_ids, mask, batch, local, device)
         raise PackingError(f"tfcompat {state.family}: position_ids of shape {tuple(position_ids.shape)}; expected "
                            f"(batch, seq), (3, batch, seq) or (4, batch, seq) with the text row first")
     if batch != 1 or valid == "other":
-        if text is not None and batch != 1 and valid is None and mask is None:
+        # rows whose every token is real (no mask, a mask of ones, or a mask of another shape that cannot say
+        # otherwise) and whose positions restart hold several sequences: upstream would attend across them
+        if text is not None and (mask is None or mask.dim() == 2):  # a 4-D mask says itself what attends to what
             for row in range(batch):
+                if mask is not None and mask.shape[-1] == local and not bool(mask[row].bool().all()):
+                    continue  # padding in this row: upstream masks it exactly
                 if len(_starts(text[row], None, "position ids")) > 1:
+                    found = "no mask" if mask is None else f"an attention_mask of shape {tuple(mask.shape)}"
                     raise PackingError(
                         f"tfcompat: row {row} of a batch of {batch} restarts its positions (several packed "
-                        f"sequences); packed rows must be batch 1; pack the whole micro-batch into one row")
+                        f"sequences) with {found}; packed rows must be batch 1, with no mask or a mask of "
+                        f"(1, {local}) ones; pack the whole micro-batch into one row "
+                        f"(tfcompat.packing.pack) or pass cu_seq_lens_q")
         return None  # padded batch (or a 4-D mask): upstream's own path, exact
     rows = text if text is not None else position_ids[:, 0]  # (1, n) text row, or (3, n) T/H/W rows
     if group is not None:
@@ -459,6 +548,9 @@ def _rotary_forward(self, *args, **kwargs):
     out = _original(self, state, *args, **kwargs)
     scope = _scoped()
     if scope is not None and scope[0] == "step" and isinstance(out, tuple):
+        from .rope import check_cos
+
+        check_cos(state.family, *out)  # once per step: the per-layer rotation trusts this layout
         out = _Carried(out)
         out.step = scope[1]
     return out
@@ -475,6 +567,8 @@ def _layer_forward(self, *args, **kwargs):
                 f"packed step, so it cannot tell where sequences begin; this transformers release passes them "
                 f"differently; please report it (tfcompat {_resolve._version.transformers_version()})")
         return _original(self, state, *args, **kwargs)
+    if getattr(state, "linear_child", False):
+        args, kwargs = _with_step_mask(self, step, args, kwargs)
     raw = _checkpointed_forward(self, state)
     if raw is not None:
         # transformers checkpoints the class forward itself (5.2x GradientCheckpointingLayer wraps
@@ -489,6 +583,19 @@ def _layer_forward(self, *args, **kwargs):
         return self._gradient_checkpointing_func(functools.partial(scoped, **kwargs), *args)
     with _Scope(("layer", step)):
         return _original(self, state, *args, **kwargs)
+
+
+def _with_step_mask(layer, step, args, kwargs):
+    """The layer's call with ``attention_mask`` replaced by the step's boundaries (:class:`_StepMask`): the
+    layer hands it to its mixer as is; the patched mixers read it (full attention ignores the mask in a
+    packed step, and the all-ones mask the text model passed carries nothing)."""
+    if "attention_mask" in kwargs:
+        return args, {**kwargs, "attention_mask": _StepMask(step)}
+    names = [n for n in _signature(type(layer)).parameters if n != "self"]
+    if "attention_mask" in names and names.index("attention_mask") < len(args):
+        i = names.index("attention_mask")
+        return args[:i] + (_StepMask(step),) + args[i + 1:], kwargs
+    return args, {**kwargs, "attention_mask": _StepMask(step)} if "attention_mask" in names else kwargs
 
 
 def _checkpointed_forward(module, state):
@@ -533,7 +640,7 @@ def _attention_forward(self, *args, **kwargs):
                             f"got {'no position embeddings' if pe is None else f'batch {hidden.shape[0]}'}")
     group = state.group_or_raise()
 
-    from .rope import apply_rope_
+    from .rope import rotate
     from .varlen import _varlen
 
     plan = _resolve.resolve("attention.signature", state.family).plan
@@ -551,7 +658,9 @@ def _attention_forward(self, *args, **kwargs):
         q, k = self.q_norm(q), self.k_norm(k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     cos, sin = pe
-    q, k = apply_rope_(q, k, cos, sin, model_type=state.family, mrope_section=state.section)
+    # out of place: a projection output (or a norm's) may be saved by selective activation checkpointing,
+    # which a rotation in place would corrupt. cos/sin are this release's own (checked once per step).
+    q, k = rotate(q, k, cos, sin, state.family, state.section)
     q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0]
     if group is not None:
         from .ulysses import gather_heads_scatter_seq, gather_seq_scatter_heads, repeat_kv_for_group
@@ -592,9 +701,11 @@ def _linear_forward(self, hidden_states, *args, **kwargs):
     import torch
 
     state = getattr(self, _ATTR)
-    step = _layer_step(self)
+    carrier = next((v for v in (*args, *kwargs.values()) if isinstance(v, _StepMask)), None)
+    step = carrier.step if carrier is not None else _layer_step(self)
     if step is None:
         return _original(self, state, hidden_states, *args, **kwargs)
+    args = tuple(None if v is carrier else v for v in args)
     cache = next((kwargs[n] for n in _CACHE_NAMES if kwargs.get(n) is not None), args[0] if args else None)
     if cache is not None or hidden_states.shape[0] != 1:
         raise TfcompatError(f"tfcompat {state.family}: the packed linear attention takes batch 1 and no cache")
@@ -733,6 +844,8 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
             _uninstall(m)
         for m, kind in targets:
             state = _State(kind, fam.name, remove_padding, ulysses_group, world, dummy_visual=dummy_visual)
+            if kind == "layer" and linear_cls is not None:
+                state.linear_child = any(isinstance(c, linear_cls) for c in m.modules())
             if kind == "attention" and resolutions[1].plan.cos_rows == 3:
                 state.section = rope_parameters(m.config, model_type=fam.name).mrope_section
             _install(m, kind, state)

@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["EmbedsResult", "EmbedsError", "unpack_visual_output", "get_input_embeds", "rope_index",
-           "mm_token_type_ids", "dummy_visual_inputs", "dummy_visual_zero", "has_audio_tower", "dummy_audio_zero"]
+           "mm_token_type_ids", "dummy_visual_inputs", "dummy_visual_zero", "has_audio_tower", "dummy_audio_zero",
+           "tie_zero"]
 
 
 @dataclasses.dataclass
@@ -190,6 +191,36 @@ def dummy_visual_zero(model: torch.nn.Module) -> torch.Tensor:
     return zero
 
 
+@functools.lru_cache(maxsize=None)
+def _tie_function():
+    import torch
+
+    class TieZero(torch.autograd.Function):
+        """``x + zero`` whose backward hands ``zero`` an exact zero gradient instead of the sum of x's
+        gradient: in fp16 under a GradScaler that sum overflows to inf, and the zero weight then makes it NaN."""
+
+        @staticmethod
+        def forward(ctx, x, zero):
+            ctx.zero_shape, ctx.zero_dtype = zero.shape, zero.dtype
+            return x + zero.detach().to(x.dtype)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, grad.new_zeros(ctx.zero_shape, dtype=ctx.zero_dtype)
+
+    return TieZero
+
+
+def tie_zero(x: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """``x`` (values unchanged, a new tensor) tied into the graph of the zero-valued scalar ``zero`` (from
+    :func:`dummy_visual_zero` / :func:`dummy_audio_zero`): the weights behind ``zero`` get exact, finite zero
+    gradients in any dtype, whatever the size of x's gradient.
+
+    .. versionadded:: 0.1.0
+    """
+    return _tie_function().apply(x, zero)
+
+
 def has_audio_tower(model: torch.nn.Module) -> bool:
     """Whether the module owning the vision tower also owns an audio tower (omni thinkers)."""
     return getattr(_vl_model(model), "audio_tower", None) is not None
@@ -269,7 +300,7 @@ def get_input_embeds(model: torch.nn.Module, input_ids: torch.Tensor, *, pixel_v
         # one zero-weighted scalar, added once, out of place: every vision weight joins the graph and
         # no in-place op touches an autograd tensor
         zero = dummy_visual_zero(model)
-        return EmbedsResult(embeds + zero.to(embeds.dtype), used_dummy=True)
+        return EmbedsResult(tie_zero(embeds, zero), used_dummy=True)
 
     result = EmbedsResult(embeds)
     if fam.deepstack and deep_parts:

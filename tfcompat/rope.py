@@ -293,6 +293,35 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return _rotate(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace=False, impl=chosen)
 
 
+def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, model_type: str,
+           mrope_section: Optional[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The patched attention's rotation: out of place, (batch, heads, seq, head_dim), with the cos/sin that
+    this release's rotary module returned (its layout was checked once per step, :func:`check_cos`) and
+    sections read at patch time. No per-call validation: the hot path of every layer."""
+    fam = _family(model_type)
+    res = _resolve.resolve("rope.apply", fam.name)
+    chosen = _impl(None)
+    if chosen == "upstream":
+        return _upstream(res, q, k, cos, sin, mrope_section, 1)
+    return _rotate(q, k, cos, sin, fam, res, 2, 1, mrope_section, inplace=False, impl=chosen)
+
+
+def check_cos(model_type: str, cos: Any, sin: Any) -> None:
+    """Raise :class:`RopeShapeError` unless (cos, sin) have the layout this release's attention expects."""
+    import torch
+
+    fam = _family(model_type)
+    res = _resolve.resolve("rope.apply", fam.name)
+    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)):
+        raise RopeShapeError(f"tfcompat {fam.name}: the rotary module returned {type(cos).__name__}, "
+                             f"{type(sin).__name__}; expected two tensors")
+    want = 4 if res.plan.cos_rows == 3 else 3
+    if cos.shape != sin.shape or cos.dim() != want or cos.shape[-1] % 2:
+        raise RopeShapeError(f"tfcompat {fam.name}: the rotary module returned cos {tuple(cos.shape)} and sin "
+                             f"{tuple(sin.shape)}; transformers {res.transformers} attention expects "
+                             f"{'(3, batch, seq, dim)' if want == 4 else '(batch, seq, dim)'} with an even dim")
+
+
 def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, config: Any = None,
                 model_type: Optional[str] = None, mrope_section: Optional[Sequence[int]] = None,
                 unsqueeze_dim: int = 1, impl: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:

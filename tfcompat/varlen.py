@@ -47,6 +47,9 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, what: str = "cu_seqle
         dtype = getattr(cu_seqlens, "dtype", None)
         raise PackingError(f"{what}: expected a 1-D integer tensor of at least 2 boundaries (0, ..., total), got "
                            f"{shape} of {dtype}")
+    if cu_seqlens.device.type == "meta":
+        raise PackingError(f"{what}: the boundaries are on the meta device and hold no values; pass them on the "
+                           f"model's device (or the CPU)")
     bounds = tuple(int(x) for x in cu_seqlens.tolist())
     if bounds[0] != 0 or bounds[-1] != total:
         raise PackingError(f"{what}: boundaries run from {bounds[0]} to {bounds[-1]} but the row has {total} tokens; "

@@ -1,0 +1,137 @@
+"""A patched model driven by the clients users train with: HF Trainer (default arguments, its column filter
+reads ``inspect.signature(model.forward)``) fed by transformers' DataCollatorWithFlattening, ``generate()``
+in an RL rollout with the policy being trained, fp16 with a GradScaler on text-only batches.
+
+Oracle: the unpatched model (padded batch, or its own generate()).
+"""
+
+import inspect
+
+import pytest
+import torch
+
+import tfcompat
+from tfcompat._families import FAMILIES as SPECS
+
+from _helpers import one_per_shape, patchable
+from _models import forward_kwargs, padded, tiny_model, tiny_pixels, tiny_sequence
+
+ALL = patchable()
+FAMILIES = one_per_shape(ALL)
+VISION = [n for n in FAMILIES if SPECS[n].vision]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_patched_modules_keep_upstreams_signature(name):
+    """Trainer's column filter, generate()'s kwargs validation and prepare_inputs_for_generation read it."""
+    model = tiny_model(name)
+    want = {id(m): inspect.signature(m.forward) for m in model.modules()}
+    tfcompat.patch(model)
+    patched = [m for m in model.modules() if "forward" in m.__dict__]
+    assert patched
+    for m in patched:
+        assert inspect.signature(m.forward) == want[id(m)], type(m).__name__
+
+
+@pytest.mark.parametrize("name,media", [(n, m) for n in FAMILIES for m in
+                                         (("image", "video") if SPECS[n].vision else ("text",))])
+def test_generate_equals_the_unpatched_model(name, media):
+    """Greedy rollout with the policy that trains packed: the unpatched model's tokens and logits."""
+    ids = torch.tensor([tiny_sequence(name, text=5, image=media == "image", video=media == "video")])
+    pixels = tiny_pixels(int(media == "image"), int(media == "video"))
+    model = tiny_model(name)
+    kw = dict(forward_kwargs(model, ids, **pixels), attention_mask=torch.ones_like(ids), max_new_tokens=4,
+              do_sample=False, output_logits=True, return_dict_in_generate=True)
+    try:
+        want = model.generate(input_ids=ids, **kw)
+    except (ValueError, RuntimeError, StopIteration, TypeError) as exc:
+        pytest.skip(f"the unpatched model's own generate() cannot run this tiny {media}: {exc}")
+    tfcompat.patch(model)
+    got = model.generate(input_ids=ids, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    for step, (g, w) in enumerate(zip(got.logits, want.logits)):
+        assert torch.equal(g, w), f"step {step}"
+
+
+def _text_only_loss(model, ids, mask):
+    labels = torch.where(mask.bool(), ids, -100)
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                             ignore_index=-100)
+
+
+@pytest.mark.parametrize("name", VISION)
+@pytest.mark.parametrize("how", ["fp16", "autocast_fp16"])
+def test_text_only_fp16_step_under_a_grad_scaler(name, how):
+    """The dummy visual forward in fp16, the loss scaled by GradScaler's default initial scale (pure fp16: by
+    hand, as GradScaler refuses fp16 parameters; autocast: a real GradScaler): vision gradients exactly zero and
+    finite, the scaler decides as for the unpatched model, and every other gradient equals the unpatched one."""
+    rows = [tiny_sequence(name, text=7), tiny_sequence(name, text=4)]
+    ids, mask = padded(rows)
+    runs = []
+    for patched in (False, True):
+        model = tiny_model(name, dtype=torch.float16 if how == "fp16" else None).train()
+        if patched:
+            tfcompat.patch(model)
+        scaler = torch.amp.GradScaler("cpu")
+        with torch.autocast("cpu", dtype=torch.float16, enabled=how == "autocast_fp16"):
+            loss = _text_only_loss(model, ids, mask)
+        if how == "fp16":
+            (loss * scaler.get_scale()).backward()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(torch.optim.SGD(model.parameters(), lr=0.0))
+            scaler.update()
+        runs.append(({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, scaler.get_scale()))
+    (plain, plain_scale), (got, scale) = runs
+    assert scale == plain_scale, "the patched model made the scaler skip a step the unpatched one takes"
+    vision = [n for n in got if n not in plain]
+    assert vision, "the dummy visual forward reached no vision weight"
+    for n in vision:
+        assert torch.isfinite(got[n]).all() and not got[n].count_nonzero(), n
+    for n, g in plain.items():
+        torch.testing.assert_close(got[n], g, rtol=0, atol=0, equal_nan=True, msg=n)
+
+
+def _examples(name, n=6):
+    lengths = [5, 3, 7, 4, 6, 2][:n]
+    return [{"input_ids": tiny_sequence(name, text=k)} for k in lengths]
+
+
+def _trainer_losses(model, examples, collator, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (installed by the tox envs)")
+    losses = []
+
+    class Record(transformers.TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                losses.append(logs["loss"])
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=3, max_steps=3, learning_rate=1e-3, logging_steps=1,
+        gradient_checkpointing=True, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=examples, data_collator=collator,
+                                   callbacks=[Record()])
+    trainer.train()
+    return losses
+
+
+def _padded_collator(features):
+    ids, mask = padded([f["input_ids"] for f in features])
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.where(mask.bool(), ids, -100)}
+
+
+@pytest.mark.parametrize("name", [n for n in FAMILIES if not SPECS[n].vision])
+def test_trainer_with_the_flattening_collator_equals_padded(name, tmp_path):
+    """transformers.Trainer, default arguments (remove_unused_columns=True), gradient checkpointing on, fed by
+    DataCollatorWithFlattening with every flag it has: the unpatched Trainer's losses on the padded batches."""
+    from transformers import DataCollatorWithFlattening
+
+    params = inspect.signature(DataCollatorWithFlattening).parameters
+    flags = {k: True for k in ("return_flash_attn_kwargs", "return_position_ids", "return_seq_idx") if k in params}
+    want = _trainer_losses(tiny_model(name), _examples(name), _padded_collator, tmp_path / "padded")
+    model = tiny_model(name)
+    tfcompat.patch(model)
+    got = _trainer_losses(model, _examples(name), DataCollatorWithFlattening(**flags), tmp_path / "packed")
+    assert len(want) == 3 and got == pytest.approx(want, rel=1e-4, abs=1e-4)
