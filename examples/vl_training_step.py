@@ -1,6 +1,6 @@
 """A packed, checkpointed training step of a vision-language model on CPU, in seconds.
 
-    python examples/vl_training_step.py [family]      # default qwen2_vl; any VL family of this release
+    python examples/vl_training_step.py [family]      # default qwen2_vl; a VL family tfcompat.patch serves
 
 Swap the tiny model for ``from_pretrained(...)`` and the tiny batch for your collator's output.
 """
@@ -10,13 +10,20 @@ import sys
 import torch
 
 import tfcompat
+import tfcompat.errors
 from tfcompat.embeds import rope_index
 from tfcompat.packing import pack, unpack
 from tfcompat.testing import tiny_model, tiny_pixels, tiny_sequence
 
 family = sys.argv[1] if len(sys.argv) > 1 else "qwen2_vl"
-model = tiny_model(family).train()
-model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+try:
+    model = tiny_model(family).train()
+except tfcompat.errors.TfcompatError as exc:  # a family this release does not ship, or an unknown name
+    sys.exit(f"vl_training_step: {exc}")
+if getattr(model.config, "vision_config", None) is None:
+    sys.exit(f"vl_training_step: {family} is a text-only family; this example trains a vision-language model "
+             f"(qwen2_vl, qwen2_5_vl, glm4v, qwen3_vl, ...)")
+tfcompat.enable_checkpointing(model)           # transformers' own, by whichever name this release has
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 # a padded batch as a collator returns it: one sample with an image, one text-only
@@ -27,7 +34,10 @@ for i, row in enumerate(rows):
     ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
 pixels = tiny_pixels(images=1)
 
-tfcompat.patch(model)                                                   # 1. once, after loading
+try:
+    tfcompat.patch(model)                                               # 1. once, after loading
+except tfcompat.errors.TfcompatError as exc:  # a family whose attention tfcompat refuses, with the reason
+    sys.exit(f"vl_training_step: {exc}")
 pos, _ = rope_index(model.config, ids, attention_mask=mask,             # 2. in the dataloader worker:
                     image_grid_thw=pixels["image_grid_thw"])            #    needs only the config
 packed = pack(ids, mask, pos, config=model.config)                      # 3. one row, 4-row position ids

@@ -56,20 +56,54 @@ def test_check_all_families_json():
     doc = json.loads(out.stdout)
     assert doc["passed"] is True and set(doc["families"]) == set(installed())
     for r in doc["results"]:
-        assert set(r) == {"family", "check", "max_abs_diff", "tolerance", "passed", "seconds", "error"}
-        assert r["passed"] and r["max_abs_diff"] <= r["tolerance"]
+        assert set(r) == {"family", "check", "compares", "max_abs_diff", "tolerance", "passed", "skipped",
+                          "seconds", "error"}
+        assert r["passed"] and (r["skipped"] is not None or r["max_abs_diff"] <= r["tolerance"])
+    # every family lists every check, run or skipped with the reason
+    checks = {r["check"] for r in doc["results"]}
+    for name in installed():
+        mine = [r for r in doc["results"] if r["family"] == name]
+        assert {r["check"] for r in mine} == checks, name
+        assert all(r["skipped"] or r["compares"] in ("fwd", "fwd+bwd", "values") for r in mine)
 
 
 def test_check_text_table_and_summary():
     out = run("check", "--family", "qwen2_vl")
     assert out.returncode == 0
-    assert "rope.native.fp32" in out.stdout and out.stdout.strip().splitlines()[-1].startswith("7 passed, 0 failed")
+    last = out.stdout.strip().splitlines()[-1]
+    assert "rope.native.fp32" in out.stdout and last.startswith("7 passed, 0 failed, 0 skipped (1 family,")
 
 
 def test_check_fails_on_a_wrong_tolerance():
     out = run("check", "--family", "qwen2_vl", "--tolerance", "-1")
     assert out.returncode == 1
     assert "FAIL" in out.stdout and "0 passed, 7 failed" in out.stdout
+
+
+def test_check_says_why_a_check_does_not_apply():
+    """A family whose checks do not all apply: exit 0, one line per check, the reason on each skipped one."""
+    from tfcompat._families import FAMILIES
+
+    name = next((n for n in installed() if FAMILIES[n].nope), None) or next(
+        n for n in installed() if not FAMILIES[n].vision)
+    out = run("check", "--family", name)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("  [")]
+    assert len(lines) == 7
+    skipped = [line for line in lines if line.startswith("  [skip]")]
+    assert skipped and all(len(line.split(None, 4)) == 5 for line in skipped), skipped
+    if FAMILIES[name].nope:
+        assert "NoPE" in out.stdout
+
+
+@pytest.mark.parametrize("command", [["report"], ["report", "--json"]])
+def test_output_survives_a_closed_pipe(command):
+    """`tfcompat report | head -1`: no traceback when the reader leaves."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    argv = " ".join([sys.executable, "-m", "tfcompat", *command])
+    out = subprocess.run(f"{argv} | head -1", shell=True, capture_output=True, text=True, cwd=ROOT, env=env,
+                         timeout=120)
+    assert out.stdout and "Traceback" not in out.stderr and "BrokenPipeError" not in out.stderr, out.stderr
 
 
 def test_check_unknown_family():
@@ -110,7 +144,11 @@ def test_vendor_overwrites_an_earlier_copy_and_force(tmp_path):
     dest = tmp_path / "v" / "tfcompat"
     out = run("vendor", str(dest))
     assert out.returncode == 0 and "copied tfcompat" in out.stdout
-    assert (dest / "VENDORED").read_text().startswith("tfcompat ")
+    marker = (dest / "VENDORED").read_text()
+    assert marker.startswith("tfcompat ") and "\ncommit " in marker
+    # no machine path lands in the repositories that vendor tfcompat
+    assert ROOT not in marker and os.sep + "tmp" not in marker and not any(
+        word.startswith(os.sep) for word in marker.split()), marker
     assert run("vendor", str(dest)).returncode == 0
     foreign = tmp_path / "foreign"
     foreign.mkdir()

@@ -75,7 +75,12 @@ def test_text_only_fp16_step_under_a_grad_scaler(name, how):
             tfcompat.patch(model)
         scaler = torch.amp.GradScaler("cpu")
         with torch.autocast("cpu", dtype=torch.float16, enabled=how == "autocast_fp16"):
-            loss = _text_only_loss(model, ids, mask)
+            try:
+                loss = _text_only_loss(model, ids, mask)
+            except RuntimeError as exc:
+                if patched:
+                    raise
+                pytest.skip(f"the unpatched model itself cannot run under {how} on this release: {exc}")
         if how == "fp16":
             (loss * scaler.get_scale()).backward()
         else:
@@ -118,8 +123,12 @@ def _trainer_losses(model, examples, collator, tmp_path):
 
 
 def _padded_collator(features):
+    """The padded twin of DataCollatorWithFlattening: its labels mask each sequence's first token, which no
+    position predicts; releases whose Trainer counts the labels for the loss's denominator then agree."""
     ids, mask = padded([f["input_ids"] for f in features])
-    return {"input_ids": ids, "attention_mask": mask, "labels": torch.where(mask.bool(), ids, -100)}
+    labels = torch.where(mask.bool(), ids, -100)
+    labels[:, 0] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 @pytest.mark.parametrize("name", [n for n in FAMILIES if not SPECS[n].vision])

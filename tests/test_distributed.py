@@ -45,7 +45,7 @@ def _ulysses_worker(rank, world, name, kv_heads, ckpt):
     assert record.ulysses_world_size == world
     model.train()
     if ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ckpt == "reentrant"})
+        tfcompat.enable_checkpointing(model, reentrant=ckpt == "reentrant")
     local_ids = slice_for_rank(pk.input_ids, dim=1)
     local_pos = slice_for_rank(pk.position_ids, dim=pk.position_ids.dim() - 1)
     local = model(input_ids=local_ids, position_ids=local_pos).logits

@@ -151,6 +151,8 @@ def _bad_cases():
          "position_ids of shape"),
         ("model: 3-row ids of a packed VL row", lambda: _vl_three_rows(), "3-row mRoPE ids cannot mark"),
         ("patch: not a model", lambda: tfcompat.patch(torch.nn.Linear(2, 2)), "cannot tell the model family"),
+        ("patch: a family name", lambda: tfcompat.patch(NAME), "patches a loaded model instance"),
+        ("patch: a config", lambda: tfcompat.patch(tiny_model(NAME).config), "not a config"),
     ]
     return cases
 

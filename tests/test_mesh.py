@@ -62,7 +62,7 @@ def _mesh_case(rank, world, name):
     model = tiny_model(name)
     tfcompat.patch(model, ulysses_group=sp)
     model.train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    tfcompat.enable_checkpointing(model)
     for layer in [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]:
         fully_shard(layer, mesh=mesh)  # HSDP: replicate over dp, shard over sp
     fully_shard(model, mesh=mesh)

@@ -33,3 +33,14 @@ def test_the_vl_training_step_example(family):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "every vision weight has a gradient" in out.stdout
+
+
+@pytest.mark.parametrize("family", ["qwen3", "glm_image", "gpt2"])
+def test_the_example_explains_a_family_it_cannot_train(family):
+    """A text-only family, a family patch refuses, an unknown name: one line saying why, no traceback."""
+    if family != "gpt2" and family not in installed():
+        pytest.skip("not in this release")
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "vl_training_step.py"), family],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.startswith("vl_training_step: "), out.stderr

@@ -19,7 +19,7 @@ from _helpers import installed
 def test_installed_families_follow_the_release():
     have = set(installed())
     assert {"llama", "qwen2", "qwen3", "glm", "glm4", "qwen2_vl", "qwen2_5_vl"} <= have
-    # model folders appear at known releases (transformers matrix §1)
+    # model folders appear at known releases (the README's support matrix)
     assert ("glm4v" in have) == is_transformers_version_in_range("4.53.3")
     assert ("qwen3_vl" in have) == is_transformers_version_in_range("4.57.0")
     assert ("qwen3_5" in have) == is_transformers_version_in_range("5.2.0")

@@ -60,7 +60,7 @@ def _grads(model):
 
 def _checkpoint(model, how):
     if how.startswith("hf_"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": how == "hf_reentrant"})
+        tfcompat.enable_checkpointing(model, reentrant=how == "hf_reentrant")  # either name, every release
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
@@ -184,7 +184,7 @@ def test_three_adamw_steps(name):
     want_losses, want = run(tiny_model(name), False)
     model = tiny_model(name)
     tfcompat.patch(model)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    tfcompat.enable_checkpointing(model)
     losses, got = run(model, True)
     assert losses == pytest.approx(want_losses, rel=1e-4, abs=1e-5)
     _close_all(got, want, f"{name} parameter after 3 steps:")
@@ -403,7 +403,7 @@ def test_rl_actor_step_with_framework_shaped_inputs(name, layout):
     model = tiny_model(name)
     tfcompat.patch(model)
     model.train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    tfcompat.enable_checkpointing(model)
     logits = model(input_ids=flat_ids, position_ids=flat_pos, **kw, **forward_kwargs(model, flat_ids, **pixels)).logits
     got = torch.zeros(ids.shape[0] * ids.shape[1], logits.shape[-1]).index_copy(
         0, torch.nonzero(keep).flatten(), logits[0].float()).view(*ids.shape, -1)

@@ -12,7 +12,8 @@ from typing import Any, Iterable, Optional
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "report", "clear_cache", "patch", "unpatch", "Resolution", "PatchRecord"]
+__all__ = ["__version__", "report", "clear_cache", "patch", "unpatch", "enable_checkpointing", "disable_checkpointing",
+           "Resolution", "PatchRecord"]
 
 # value types of the records report() and patch() return, importable without importing torch:
 # ``from tfcompat import Resolution, PatchRecord`` (resolved on first access)
@@ -42,8 +43,33 @@ def clear_cache() -> None:
 
 
 def patch(model: Any, *, remove_padding: bool = True, ulysses_group: Any = None, dummy_visual: bool = True) -> Any:
-    """Patch a model instance for packed sequences, Ulysses and the dummy visual forward
-    (see :func:`tfcompat._patch.patch`)."""
+    """Patch a loaded GLM/Qwen model instance for packed sequences and Ulysses sequence parallelism.
+
+    Args:
+        model: a ForConditionalGeneration / ForCausalLM / bare Model of a supported family.
+        remove_padding: accept packed rows (one row, several sequences). With False and no group,
+            nothing is patched (the model stays bit-identical); with a group, each rank's row is
+            one sequence.
+        ulysses_group: a ``torch.distributed`` process group for sequence parallelism, or None.
+        dummy_visual: vision-language models only: on a text-only batch in training mode, run the
+            vision tower on the smallest valid input and add one zero-weighted scalar to the token
+            embeddings, so every vision weight gets a zero (not None) gradient on every rank.
+
+    Returns:
+        a :class:`PatchRecord` of what is patched now. Patching again with the same options
+        changes nothing; other options, or a model partly unpatched, are re-patched. Patching a
+        submodule of a patched model re-patches that part with the new options.
+
+    Raises:
+        ModelError: ``model`` is not a model instance (a config, a family name, a class).
+        UnsupportedTransformersError: a family or release tfcompat does not serve (the reason is named).
+        UlyssesError: a group the model's heads cannot be split over.
+
+    The patched modules keep upstream's ``forward`` signature (HF Trainer's column filter and
+    ``generate()`` read it); a call that is not packed runs upstream's own path.
+
+    .. versionadded:: 0.1.0
+    """
     from . import _patch
 
     return _patch.patch(model, remove_padding=remove_padding, ulysses_group=ulysses_group, dummy_visual=dummy_visual)
@@ -54,3 +80,47 @@ def unpatch(model: Any) -> bool:
     from . import _patch
 
     return _patch.unpatch(model)
+
+
+def enable_checkpointing(model: Any, *, reentrant: bool = False) -> str:
+    """Switch transformers' own activation checkpointing on, on every release.
+
+    transformers 5.24 renamed ``gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)`` to
+    ``activation_checkpointing_enable(activation_checkpointing_kwargs=...)`` (the old name warns and goes in
+    v6). This calls whichever the model has, with ``use_reentrant=reentrant``, and returns its name.
+
+        >>> import tfcompat
+        >>> from tfcompat.testing import tiny_model
+        >>> model = tiny_model("qwen2").train()
+        >>> tfcompat.enable_checkpointing(model) in ("activation_checkpointing_enable", "gradient_checkpointing_enable")
+        True
+        >>> model.model.gradient_checkpointing
+        True
+
+    .. versionadded:: 0.1.0
+    """
+    from .errors import ModelError
+
+    kwargs = {"use_reentrant": bool(reentrant)}
+    if callable(getattr(model, "activation_checkpointing_enable", None)):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        return "activation_checkpointing_enable"
+    if callable(getattr(model, "gradient_checkpointing_enable", None)):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return "gradient_checkpointing_enable"
+    raise ModelError(f"tfcompat.enable_checkpointing: {type(model).__name__} has neither "
+                     f"activation_checkpointing_enable nor gradient_checkpointing_enable; pass a transformers model")
+
+
+def disable_checkpointing(model: Any) -> str:
+    """Switch transformers' activation checkpointing off (either name); returns the method called.
+
+    .. versionadded:: 0.1.0
+    """
+    from .errors import ModelError
+
+    for name in ("activation_checkpointing_disable", "gradient_checkpointing_disable"):
+        if callable(getattr(model, name, None)):
+            getattr(model, name)()
+            return name
+    raise ModelError(f"tfcompat.disable_checkpointing: {type(model).__name__} is not a transformers model")

@@ -1,6 +1,7 @@
 """The comparisons behind ``tfcompat check``: tfcompat against the installed transformers, per family.
 
-Each check returns a dict: family, check, max_abs_diff, tolerance, passed, seconds, error.
+Each check returns a dict: family, check, compares ("fwd", "fwd+bwd": outputs and every gradient; "values"),
+max_abs_diff, tolerance, passed, skipped (why the check does not apply, else None), seconds, error.
 Inputs are tiny random tensors and tiny random-weight configs; nothing is downloaded.
 """
 
@@ -188,30 +189,32 @@ def _embeds_vs_model(name, images):
     return diff
 
 
-def _always(fam):
-    return True
-
-
 def _rotary(fam):
-    return not fam.nope  # NoPE decoders refuse apply_rope and rope_parameters (a test asserts it)
+    """None where the check applies, else why not (the same reason the refusing API gives)."""
+    if fam.nope:
+        return "NoPE: the decoder has no rotary embedding; apply_rope and rope_parameters refuse it by name"
+    return None
 
 
 def _vision(fam):
-    return fam.vision and not fam.embeds_refusal  # the others refuse tfcompat.embeds with the reason (tested)
+    if not fam.vision:
+        return "text-only family"
+    return f"tfcompat.embeds refuses it: {fam.embeds_refusal}" if fam.embeds_refusal else None
 
 
 def _patchable(fam):
-    return not fam.patch_refusal  # the others refuse tfcompat.patch with the reason (a test asserts it)
+    return f"tfcompat.patch refuses it: {fam.patch_refusal}" if fam.patch_refusal else None
 
 
+#: (check, function, why it does not apply (None: it does), what is compared)
 CHECKS = (
-    ("config.rope_parameters", lambda n: _config_vs_rotary(n), _rotary),
-    ("rope.native.fp32", lambda n: _rope_vs_upstream(n, _dtype("float32"), inplace=False), _rotary),
-    ("rope.inplace.fp32", lambda n: _rope_vs_upstream(n, _dtype("float32"), inplace=True), _rotary),
-    ("rope.native.bf16", lambda n: _rope_vs_upstream(n, _dtype("bfloat16"), inplace=False), _rotary),
-    ("attention.packed", lambda n: _packed_vs_padded(n), _patchable),
-    ("embeds.image", lambda n: _embeds_vs_model(n, 1), _vision),
-    ("embeds.dummy", lambda n: _embeds_vs_model(n, 0), _vision),
+    ("config.rope_parameters", lambda n: _config_vs_rotary(n), _rotary, "values"),
+    ("rope.native.fp32", lambda n: _rope_vs_upstream(n, _dtype("float32"), inplace=False), _rotary, "fwd+bwd"),
+    ("rope.inplace.fp32", lambda n: _rope_vs_upstream(n, _dtype("float32"), inplace=True), _rotary, "fwd+bwd"),
+    ("rope.native.bf16", lambda n: _rope_vs_upstream(n, _dtype("bfloat16"), inplace=False), _rotary, "fwd+bwd"),
+    ("attention.packed", lambda n: _packed_vs_padded(n), _patchable, "fwd+bwd"),
+    ("embeds.image", lambda n: _embeds_vs_model(n, 1), _vision, "fwd"),
+    ("embeds.dummy", lambda n: _embeds_vs_model(n, 0), _vision, "fwd+bwd"),
 )
 
 # relative to the largest magnitude, for whole-model comparisons (fp32 summation order differs): the tests'
@@ -231,7 +234,12 @@ def run_family(name, tolerance=None):
     from ._families import family
 
     fam = family(name)
-    for check, fn, applies in CHECKS:
-        if not applies(fam):
+    for check, fn, why_not, what in CHECKS:
+        reason = why_not(fam)
+        if reason is not None:
+            yield {"family": name, "check": check, "compares": what, "max_abs_diff": None, "tolerance": None,
+                   "passed": True, "skipped": reason, "seconds": 0.0, "error": None}
             continue
-        yield _result(name, check, lambda fn=fn: fn(name), tolerance)
+        result = _result(name, check, lambda fn=fn: fn(name), tolerance)
+        result.update(compares=what, skipped=None)
+        yield result

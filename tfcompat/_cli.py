@@ -94,27 +94,45 @@ def _check(args):
     if missing:
         return _check_fail(args, f"transformers {_dist_version('transformers')} does not ship "
                                  f"{', '.join(missing)}; installed families: {', '.join(installed)}")
+    _quiet_transformers()
     results = []
     start = time.perf_counter()
+    width = max(len(n) for n in names)
     for name in names:
         for result in _checks.run_family(name, tolerance=args.tolerance):
             results.append(result)
             if not args.json:
-                mark = "ok  " if result["passed"] else "FAIL"
-                print(f"  [{mark}] {name:<13} {result['check']:<22} max|diff| {result['max_abs_diff']:<10.3g} "
-                      f"tol {result['tolerance']:<8.2g} {result['seconds']:6.2f}s"
-                      + (f"  {result['error']}" if result["error"] else ""), flush=True)
-    passed = all(r["passed"] for r in results) and bool(results)
+                print(_check_line(result, width), flush=True)
+    failed = sum(not r["passed"] for r in results)
+    skipped = sum(r["skipped"] is not None for r in results)
     doc = {"schema": SCHEMA, "tfcompat": __version__, "transformers": _dist_version("transformers"),
-           "torch": _dist_version("torch"), "families": names, "results": results, "passed": passed,
+           "torch": _dist_version("torch"), "families": names, "results": results, "passed": failed == 0,
            "seconds": round(time.perf_counter() - start, 3)}
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
     else:
-        failed = sum(not r["passed"] for r in results)
-        print(f"{len(results) - failed} passed, {failed} failed ({len(names)} families, "
-              f"transformers {doc['transformers']}, {doc['seconds']:.1f}s)")
-    return 0 if passed else 1
+        print(f"{len(results) - failed - skipped} passed, {failed} failed, {skipped} skipped ({len(names)} "
+              f"{'family' if len(names) == 1 else 'families'}, transformers {doc['transformers']}, "
+              f"{doc['seconds']:.1f}s)")
+    return 0 if failed == 0 else 1
+
+
+def _check_line(result, width):
+    head = f"  [{{}}] {result['family']:<{width}} {result['check']:<22} {result['compares']:<8}"
+    if result["skipped"] is not None:
+        return head.format("skip") + f" {result['skipped']}"
+    mark = "ok  " if result["passed"] else "FAIL"
+    return (head.format(mark) + f" max|diff| {result['max_abs_diff']:<10.3g} tol {result['tolerance']:<8.2g} "
+            f"{result['seconds']:6.2f}s" + (f"  {result['error']}" if result["error"] else ""))
+
+
+def _quiet_transformers():
+    """transformers' own log lines (kernel fallbacks, deprecations) would interleave with the table."""
+    try:
+        from transformers.utils import logging
+    except ImportError:
+        return
+    logging.set_verbosity_error()
 
 
 def _check_fail(args, message):
@@ -167,11 +185,24 @@ def _vendor(args):
             shutil.copyfile(src, target)
             written.append(os.path.relpath(target, dest))
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    with open(os.path.join(dest, _MARKER), "w") as fh:
-        fh.write(f"tfcompat {__version__}\nvendored {stamp}\nfrom {source}\n"
+    commit = _commit(source)
+    with open(os.path.join(dest, _MARKER), "w") as fh:  # never a path: this file lands in other repositories
+        fh.write(f"tfcompat {__version__}\nvendored {stamp}\ncommit {commit}\n"
                  f"Import it relatively (from ._vendor import tfcompat); do not edit: re-run `tfcompat vendor`.\n")
     print(f"copied tfcompat {__version__} ({len(written)} files) into {dest}; wrote {os.path.join(dest, _MARKER)}")
     return 0
+
+
+def _commit(source):
+    """The git commit the package was copied from, or "unknown" (an installed copy, no git)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=source, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    sha = out.stdout.strip()
+    return sha if out.returncode == 0 and len(sha) == 40 else "unknown"
 
 
 def _inside(root, path):
@@ -205,4 +236,12 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        status = args.func(args)
+        sys.stdout.flush()  # into a pipe the output is buffered: a reader that left shows here
+        return status
+    except BrokenPipeError:
+        # `tfcompat report | head`: the reader left; say nothing more (Python would print a traceback at exit)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # as a process ended by SIGPIPE

@@ -39,7 +39,7 @@ from . import _resolve
 from . import packing as _packing
 from ._compat import transformers4
 from ._families import family as _family
-from .errors import PackingError, TfcompatError, UlyssesError, UnsupportedTransformersError
+from .errors import ModelError, PackingError, TfcompatError, UlyssesError, UnsupportedTransformersError
 
 if TYPE_CHECKING:
     import torch
@@ -750,27 +750,13 @@ def _patched_as(module):
 
 def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group: Any = None,
           dummy_visual: bool = True) -> PatchRecord:
-    """Patch a loaded GLM/Qwen model instance for packed sequences and Ulysses sequence parallelism.
+    """The implementation of :func:`tfcompat.patch` (documented there)."""
+    import torch
 
-    Args:
-        model: a ForConditionalGeneration / ForCausalLM / bare Model of a supported family.
-        remove_padding: accept packed rows (one row, several sequences). With False and no group,
-            nothing is patched (the model stays bit-identical); with a group, each rank's row is
-            one sequence.
-        ulysses_group: a ``torch.distributed`` process group for sequence parallelism, or None.
-        dummy_visual: vision-language models only: on a text-only batch in training mode, run the
-            vision tower on the smallest valid input and add one zero-weighted scalar to the token
-            embeddings, so every vision weight gets a zero (not None) gradient on every rank.
-
-    Returns:
-        a :class:`PatchRecord` of what is patched now. Patching again with the same options
-        changes nothing; other options, or a model partly unpatched, are re-patched. Patching a
-        submodule of a patched model re-patches that part with the new options.
-
-    .. versionadded:: 0.1.0
-    .. versionchanged:: 0.2.0
-       Boundaries travel with the call (activation checkpointing); packed rows fail closed.
-    """
+    if not isinstance(model, torch.nn.Module):
+        raise ModelError(f"tfcompat.patch: got {type(model).__name__} {str(model)[:60]!r}; it patches a loaded model "
+                         f"instance (a torch.nn.Module such as AutoModelForCausalLM.from_pretrained(...) returns), "
+                         f"not a config, a family name or a class")
     config = getattr(model, "config", None)
     fam = _family(config if config is not None else model)
     if fam.patch_refusal:

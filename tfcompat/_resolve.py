@@ -432,7 +432,7 @@ def _resolve_rope_apply(fam, capability):
     gptj_cos = ""
     if fam.rotation == "gptj":
         # GLM before 5.17 halves cos and repeat-interleaves it inside the apply function;
-        # from 5.17 the rotary module emits the interleaved layout (transformers matrix §2b).
+        # from 5.17 the rotary module emits the interleaved layout (probed below, not assumed).
         gptj_cos = _probe(capability, "the GPT-J cos layout", fn,
                           lambda b: "half" if "repeat_interleave" in b else "pairs")
         layout = ("halved and repeat-interleaved by the attention" if gptj_cos == "half" else

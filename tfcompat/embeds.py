@@ -132,7 +132,7 @@ def mm_token_type_ids(config_or_model: Any, input_ids: torch.Tensor) -> torch.Te
     """0 for text, 1 for image tokens, 2 for video tokens (GLM marks video frames with image tokens
     between its video start/end tokens), as the 5.3+ processors produce them.
 
-    .. versionchanged:: 0.2.0 takes a config as well as a model."""
+    .. versionchanged:: 0.1.0 takes a config as well as a model."""
     import torch
 
     config = getattr(config_or_model, "config", config_or_model)
@@ -180,7 +180,7 @@ def dummy_visual_zero(model: torch.nn.Module) -> torch.Tensor:
     Weighting before summing, in fp32: a half-precision sum of large finite features can overflow to inf,
     and inf * 0 is NaN.
 
-    .. versionadded:: 0.2.0
+    .. versionadded:: 0.1.0
     """
     owner = _vl_model(model)
     pixels, grid = dummy_visual_inputs(model)
@@ -230,7 +230,7 @@ def dummy_audio_zero(model: torch.nn.Module) -> torch.Tensor:
     """A zero-valued fp32 scalar that depends on every audio weight of an omni thinker: its own
     ``get_audio_features`` on one chunk (2 * n_window mel frames) of zeros, weighted by 0.
 
-    .. versionadded:: 0.2.0
+    .. versionadded:: 0.1.0
     """
     import torch
 
@@ -435,7 +435,7 @@ def rope_index(config_or_model: Any, input_ids: torch.Tensor, *, image_grid_thw:
         EmbedsError: vision tokens without a grid, grids that do not match the token counts, type ids or
             masks of another shape.
 
-    .. versionchanged:: 0.2.0 takes a config; validates grids against the tokens.
+    .. versionchanged:: 0.1.0 takes a config; validates grids against the tokens.
     """
     fn, config = _rope_index_method(config_or_model)
     types = mm_token_type_ids if mm_token_type_ids is not None else globals()["mm_token_type_ids"](config, input_ids)

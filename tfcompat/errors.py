@@ -15,6 +15,7 @@ __all__ = [
     "PackingError",
     "UlyssesError",
     "EmbedsError",
+    "ModelError",
 ]
 
 
@@ -42,7 +43,7 @@ class PackingError(TfcompatError, ValueError):
     """Sequence boundaries or packed inputs that cannot be right (not increasing, not covering the tokens,
     padding inside a packed row, several rows).
 
-    .. versionadded:: 0.1.0 (in :mod:`tfcompat.varlen`; here since 0.2.0, re-exported there)
+    .. versionadded:: 0.1.0 (in :mod:`tfcompat.varlen`; re-exported there)
     """
 
 
@@ -52,3 +53,10 @@ class UlyssesError(TfcompatError, ValueError):
 
 class EmbedsError(TfcompatError, ValueError):
     """Vision inputs that do not fit the text (token counts, grids, pixel shapes)."""
+
+
+class ModelError(TfcompatError, TypeError):
+    """An object where a model instance is expected (a config, a family name, a class).
+
+    .. versionadded:: 0.1.0
+    """

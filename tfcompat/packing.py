@@ -64,7 +64,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: Op
         config: the model's config; for a vision-language family, a batch that holds image or video
             tokens then requires the 3-D mRoPE positions (text positions would be wrong for them).
 
-    .. versionchanged:: 0.2.0 validates its inputs; ``config=``.
+    .. versionchanged:: 0.1.0 validates its inputs; ``config=``.
     """
     mask = _check_pack(input_ids, attention_mask, position_ids, vision)
     if config is not None:
