@@ -240,6 +240,39 @@ def test_triton_is_one_launch_each_way(name):
     assert rope_triton.launches == before + 3
 
 
+@pytest.mark.parametrize("qb,kb", [(2, 1), (1, 2)])
+def test_q_and_k_of_different_batches_equal_upstream(qb, kb):
+    """cos of batch 1 broadcasts over q's and k's batches in upstream's function; every impl computes the same
+    (the fused Triton kernel walks q and k with one batch, so it hands such calls to the composite)."""
+    name = next(n for n in FAMILIES if not SPECS[n].vision)
+    config, cos, sin, q, k, g = _inputs(name, 1, 9, torch.float32, 1, seed=4)
+    q, k = q.expand(qb, -1, -1, -1).contiguous(), k.expand(kb, -1, -1, -1).contiguous() + 1.0
+    want = upstream_rope(name, config)(q, k, cos, sin)
+    for impl in rope_impls():
+        for fn in (apply_rope, apply_rope_):
+            got = fn(q.clone(), k.clone(), cos, sin, config=config, impl=impl)
+            for w, h in zip(want, got):
+                torch.testing.assert_close(h, w, **TOL[torch.float32], msg=f"{impl} {fn.__name__}")
+
+
+@pytest.mark.skipif(not triton_ready(), reason="needs triton in its interpreter (TRITON_INTERPRET=1) or a GPU")
+def test_triton_launch_refuses_what_it_cannot_index():
+    """The launch checks shapes, dtypes and devices itself: no call reaches the kernel with sizes it would
+    read or write out of bounds, whoever calls it."""
+    from tfcompat._kernels import rope_triton
+    from tfcompat.errors import RopeShapeError
+
+    name = next(n for n in FAMILIES if not SPECS[n].vision)
+    config, cos, sin, q, k, _ = _inputs(name, 2, 9, torch.float32, 1, seed=2)
+    layout = rope_triton.Layout("neox", "", None)
+    bad = [(q, k[:1]), (q, k[:, :, :5]), (q, k[..., :8]), (q, k.double())]
+    for bq, bk in bad:
+        with pytest.raises(RopeShapeError, match="nothing was launched"):
+            rope_triton.rope(bq, bk, cos, sin, layout, 2)
+    with pytest.raises(RopeShapeError, match="nothing was launched"):
+        rope_triton.rope(q, k, cos[:, :5], sin[:, :5], layout, 2)
+
+
 def test_triton_refuses_clearly_where_it_cannot_run():
     if triton_ready():
         pytest.skip("triton runs here")

@@ -228,10 +228,12 @@ def _rotate(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace, 
     grad_trig = cos.requires_grad or sin.requires_grad
     if impl == "triton":
         mod = _triton_for(fam, q)
-        if not (_compiling() or grad_trig or q.dtype != k.dtype):
+        if not (_compiling() or grad_trig) and mod.fits(q, k, cos, seq_dim):
             layout = mod.Layout(rotation, plan.gptj_cos, section)
             return mod.rope(q, k, cos, sin, layout, seq_dim, inplace=inplace)
-        impl = "composite"  # traced by torch.compile / differentiated through cos and sin
+        # traced by torch.compile / differentiated through cos and sin / q and k of different batches or
+        # dtypes (upstream broadcasts them): the composite computes what upstream does
+        impl = "composite"
     if plan.cos_rows == 3:
         cos = kernels.fold_contiguous(cos, section)
         sin = kernels.fold_contiguous(sin, section)

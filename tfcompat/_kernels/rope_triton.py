@@ -148,6 +148,37 @@ def _bhsd(x, seq_dim):
     return x if seq_dim == 2 else x.transpose(1, 2)
 
 
+def fits(q, k, cos, seq_dim):
+    """Whether one launch can serve q and k: the kernel walks both with q's batch, sequence and head_dim."""
+    q4, k4 = _bhsd(q, seq_dim), _bhsd(k, seq_dim)
+    return q4.shape[0] == k4.shape[0] and q4.shape[2:] == k4.shape[2:] and q.dtype == k.dtype and \
+        cos.shape[-3] in (1, q4.shape[0])
+
+
+def _check_launch(q4, k4, qo4, ko4, cos, sin, rows3, section):
+    """Refuse anything the kernel would read or write out of bounds (it trusts the sizes it is given)."""
+    from ..errors import RopeShapeError
+
+    batch, _, seq, dim = q4.shape
+    problems = []
+    if k4.shape[0] != batch or k4.shape[2:] != q4.shape[2:]:
+        problems.append(f"k {tuple(k4.shape)} differs from q {tuple(q4.shape)} in batch, seq or head_dim")
+    if qo4.shape != q4.shape or ko4.shape != k4.shape:
+        problems.append("an output buffer differs from its input's shape")
+    if len({t.dtype for t in (q4, k4, qo4, ko4)}) != 1 or cos.dtype != sin.dtype:
+        problems.append("q, k and the outputs (or cos and sin) differ in dtype")
+    if len({t.device for t in (q4, k4, qo4, ko4, cos, sin)}) != 1:
+        problems.append("the tensors are on different devices")
+    if cos.shape != sin.shape or cos.dim() != (4 if rows3 else 3) or cos.shape[-3] not in (1, batch) or \
+            cos.shape[-2] != seq or cos.shape[-1] > dim or cos.shape[-1] % 2 or cos.shape[-1] == 0:
+        problems.append(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} do not fit q {tuple(q4.shape)}")
+    if rows3 and (cos.shape[0] != 3 or section is None or 2 * sum(section) != cos.shape[-1]):
+        problems.append(f"3-row cos {tuple(cos.shape)} with sections {section}")
+    if problems:
+        raise RopeShapeError("tfcompat triton RoPE: " + "; ".join(problems) + "; nothing was launched (use "
+                             "impl='composite', or pass tensors of the layout apply_rope documents)")
+
+
 def _launch(q, k, qo, ko, cos, sin, layout, seq_dim, inverse):
     """One launch over q's rows and k's (k=None: q's only)."""
     global launches
@@ -158,6 +189,7 @@ def _launch(q, k, qo, ko, cos, sin, layout, seq_dim, inverse):
     batch, hq, seq, dim = q4.shape
     hk = 0 if only_q else k4.shape[1]
     rows3 = cos.dim() == 4
+    _check_launch(q4, k4, qo4, ko4, cos, sin, rows3, layout.section)
     rd = cos.shape[-1]
     if inverse:  # the backward reads what the forward wrote, and writes where the forward read
         in_pairs, out_pairs = layout.out_pairs, layout.in_pairs
