@@ -60,7 +60,7 @@ def test_q_that_does_not_fit_cos(name):
 def test_sections_that_do_not_add_up(name):
     config, cos, sin, q, k = _cos(name)
     if _resolve.resolve("rope.apply", name).plan.cos_rows == 3:
-        with pytest.raises(RopeShapeError, match=r"mrope_section \[1, 1, 1\] must be 3 sections adding up"):
+        with pytest.raises(RopeShapeError, match=r"mrope_section \[1, 1, 1\] must add up to half"):
             apply_rope(q, k, cos, sin, model_type=name, mrope_section=(1, 1, 1))
         with pytest.raises(RopeShapeError, match="the mRoPE sections are needed; pass config= or mrope_section="):
             apply_rope(q, k, cos, sin, model_type=name)

@@ -214,3 +214,55 @@ def test_families_patch_cannot_serve_are_refused_by_name_and_reason(name):
             tfcompat.config.rope_parameters(model.config)
     else:
         assert tfcompat.config.rope_parameters(model.config).rotary_dim > 0
+
+
+def _sections_upstream_runs(name, config):
+    """Sections transformers' own model testers use: two contiguous sections (GLM-4.5V's tester: [1, 1]), or
+    interleaved ones that add up to more than the rotary frequencies (Qwen3-VL's tester: [16, 8, 8])."""
+    from tfcompat.config import rope_parameters
+
+    rp = rope_parameters(config)
+    if SPECS[name].mrope == "contiguous":
+        half = rp.rotary_dim // 2
+        return [half - half // 2, half // 2]
+    return [16, 8, 8]
+
+
+@pytest.mark.parametrize("name", [n for n in VISION if SPECS[n].mrope != "none"])
+def test_tester_sections_upstream_runs_are_served(name):
+    """rope_parameters reports them, and the patched model on a packed row equals upstream on the padded
+    batch (logits and every gradient): tfcompat refuses only what upstream itself cannot run."""
+    from tfcompat.config import rope_parameters, text_config
+    from tfcompat.testing import model_class, tiny_config
+
+    config = tiny_config(name)
+    section = _sections_upstream_runs(name, config)
+    tc = text_config(config)
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = tc.__dict__.get(key)
+        if isinstance(rope, dict) and "mrope_section" in rope:
+            rope["mrope_section"] = list(section)
+    if not any(isinstance(tc.__dict__.get(k), dict) and tc.__dict__[k].get("mrope_section") == section
+               for k in ("rope_parameters", "rope_scaling")):
+        pytest.skip("this release's tiny config keeps its sections elsewhere")
+    assert list(rope_parameters(config).mrope_section) == section
+    torch.manual_seed(0)
+    model = model_class(name)(config).eval()
+    rows = [tiny_sequence(name, text=5, image=True), tiny_sequence(name, text=3)]
+    ids, mask = padded(rows)
+    pixels = tiny_pixels(1)
+    ref = run_upstream(lambda: model(input_ids=ids, attention_mask=mask, use_cache=False,
+                                     **forward_kwargs(model, ids, **pixels)).logits)
+    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(3))
+    (ref * weights * mask[..., None]).sum().backward()
+    ref_grads = param_grads(model)
+    pk = pack(ids, mask, three_d_positions(model, ids, mask, pixels), vision=True)
+    tfcompat.patch(model)
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False,
+                **forward_kwargs(model, pk.input_ids, **pixels)).logits
+    logits = unpack(out, pk)
+    (logits * weights * mask[..., None]).sum().backward()
+    close_to_model(logits[mask.bool()], ref[mask.bool()], f"{name} {section} logits")
+    for key, got, want in grads_by_name(param_grads(model), ref_grads, f"{name} {section}"):
+        close_to_model(got, want, f"{name} {section} grad {key}")

@@ -132,11 +132,9 @@ def rope_parameters(config: Any, *, model_type: Optional[str] = None) -> RopePar
                     f"width is {rotary_dim} (head_dim {head_dim} x partial_rotary_factor {partial}); "
                     f"the sections must add up to {rotary_dim // 2}"
                 )
-            if fam.mrope == "interleaved" and sum(section) > rotary_dim // 2:
-                raise ConfigError(
-                    f"{fam.name}: mrope_section {list(section)} does not fit the {rotary_dim // 2} rotary "
-                    f"frequencies of head_dim {head_dim} x partial_rotary_factor {partial}"
-                )
+            # interleaved sections (Qwen3-VL, Qwen3.5) are folded by upstream's own rotary module, which
+            # slices its frequencies by them whatever they add up to (transformers' testers use [16, 8, 8]
+            # with 4 frequencies): reported as given, never refused
 
     scaling = {k: v for k, v in raw.items() if k not in _KNOWN_KEYS}
     return RopeParameters(

@@ -78,7 +78,7 @@ def _section(fam, config, mrope_section, plan, cos):
         try:
             section = tuple(int(s) for s in mrope_section)
         except (TypeError, ValueError):
-            raise RopeShapeError(f"apply_rope for {fam.name}: mrope_section must be 3 integers, got "
+            raise RopeShapeError(f"apply_rope for {fam.name}: mrope_section must be integers, got "
                                  f"{mrope_section!r}") from None
     elif config is not None:
         from .config import rope_parameters
@@ -92,10 +92,11 @@ def _section(fam, config, mrope_section, plan, cos):
             f"attention of this transformers release expects, so the mRoPE sections are needed; pass config= "
             f"or mrope_section="
         )
-    if len(section) != 3 or 2 * sum(section) != cos.shape[-1]:
+    if not section or 2 * sum(section) != cos.shape[-1]:
+        # upstream splits cos by the sections (twice): sizes that do not add up to its width cannot run there
         raise RopeShapeError(
-            f"apply_rope for {fam.name}: mrope_section {list(section)} must be 3 sections adding up to half "
-            f"the cos width {cos.shape[-1]} (= {cos.shape[-1] // 2}); got a sum of {sum(section)}"
+            f"apply_rope for {fam.name}: mrope_section {list(section)} must add up to half the cos width "
+            f"{cos.shape[-1]} (= {cos.shape[-1] // 2}); got a sum of {sum(section)}"
         )
     return section
 
@@ -154,11 +155,11 @@ def _check(fam, res, q, k, cos, sin, unsqueeze_dim):
 def _prepare(q, k, cos, sin, config, model_type, mrope_section, unsqueeze_dim):
     fam = _family(model_type if model_type is not None else config)
     if mrope_section is not None:
-        ok = isinstance(mrope_section, (tuple, list)) and len(mrope_section) == 3 and \
+        ok = isinstance(mrope_section, (tuple, list)) and len(mrope_section) >= 1 and \
             all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in mrope_section)
         if not ok:
-            raise RopeShapeError(f"apply_rope for {fam.name}: mrope_section must be 3 non-negative integers "
-                                 f"(T, H, W), got {mrope_section!r}")
+            raise RopeShapeError(f"apply_rope for {fam.name}: mrope_section must be non-negative integers "
+                                 f"(T, H, W; upstream cycles the rows of longer lists), got {mrope_section!r}")
     res = _resolve.resolve("rope.apply", fam.name)
     if res.impl == "none":
         raise ConfigError(f"apply_rope for {fam.name}: {res.reason} on transformers {res.transformers}; its "
@@ -228,7 +229,7 @@ def _rotate(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace, 
     grad_trig = cos.requires_grad or sin.requires_grad
     if impl == "triton":
         mod = _triton_for(fam, q)
-        if not (_compiling() or grad_trig) and mod.fits(q, k, cos, seq_dim):
+        if not (_compiling() or grad_trig) and mod.fits(q, k, cos, seq_dim, section):
             layout = mod.Layout(rotation, plan.gptj_cos, section)
             return mod.rope(q, k, cos, sin, layout, seq_dim, inplace=inplace)
         # traced by torch.compile / differentiated through cos and sin / q and k of different batches or

@@ -148,11 +148,12 @@ def _bhsd(x, seq_dim):
     return x if seq_dim == 2 else x.transpose(1, 2)
 
 
-def fits(q, k, cos, seq_dim):
-    """Whether one launch can serve q and k: the kernel walks both with q's batch, sequence and head_dim."""
+def fits(q, k, cos, seq_dim, section=None):
+    """Whether one launch can serve q and k: the kernel walks both with q's batch, sequence and head_dim, and
+    folds at most three mRoPE sections (T, H, W)."""
     q4, k4 = _bhsd(q, seq_dim), _bhsd(k, seq_dim)
     return q4.shape[0] == k4.shape[0] and q4.shape[2:] == k4.shape[2:] and q.dtype == k.dtype and \
-        cos.shape[-3] in (1, q4.shape[0])
+        cos.shape[-3] in (1, q4.shape[0]) and (section is None or len(section) <= 3)
 
 
 def _check_launch(q4, k4, qo4, ko4, cos, sin, rows3, section):
@@ -172,7 +173,8 @@ def _check_launch(q4, k4, qo4, ko4, cos, sin, rows3, section):
     if cos.shape != sin.shape or cos.dim() != (4 if rows3 else 3) or cos.shape[-3] not in (1, batch) or \
             cos.shape[-2] != seq or cos.shape[-1] > dim or cos.shape[-1] % 2 or cos.shape[-1] == 0:
         problems.append(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} do not fit q {tuple(q4.shape)}")
-    if rows3 and (cos.shape[0] != 3 or section is None or 2 * sum(section) != cos.shape[-1]):
+    if rows3 and (cos.shape[0] != 3 or section is None or not 1 <= len(section) <= 3 or
+                  2 * sum(section) != cos.shape[-1]):
         problems.append(f"3-row cos {tuple(cos.shape)} with sections {section}")
     if problems:
         raise RopeShapeError("tfcompat triton RoPE: " + "; ".join(problems) + "; nothing was launched (use "
@@ -201,7 +203,7 @@ def _launch(q, k, qo, ko, cos, sin, layout, seq_dim, inverse):
         tb = t[0] if rows3 else t
         return ((0 if tb.shape[0] == 1 else tb.stride(0)), tb.stride(1), t.stride(0) if rows3 else 0, tb.stride(2))
 
-    sec0, sec1 = (layout.section[0], layout.section[1]) if rows3 else (0, 0)
+    sec0, sec1 = (tuple(layout.section) + (0, 0))[:2] if rows3 else (0, 0)  # 1-3 sections: T, H, rest W
     block_half = triton.next_power_of_2(max(rd // 2, 1))
     block_r = max(1, _TILE // block_half)
     q_rows, k_rows = batch * seq * hq, batch * seq * hk
