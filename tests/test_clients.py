@@ -144,3 +144,49 @@ def test_trainer_with_the_flattening_collator_equals_padded(name, tmp_path):
     tfcompat.patch(model)
     got = _trainer_losses(model, _examples(name), DataCollatorWithFlattening(**flags), tmp_path / "packed")
     assert len(want) == 3 and got == pytest.approx(want, rel=1e-4, abs=1e-4)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("order", ["patch_then_peft", "peft_then_patch"])
+def test_peft_lora_packed_equals_padded(name, order):
+    """PEFT LoRA on the attention projections, patched before or after get_peft_model: logits and every LoRA
+    gradient of the packed row equal the unpatched LoRA model on the padded batch."""
+    peft = pytest.importorskip("peft", reason="PEFT is installed in the tox envs whose release it supports")
+    from tfcompat.packing import pack, unpack
+
+    from _models import three_d_positions
+
+    vision = SPECS[name].vision
+    rows = [tiny_sequence(name, text=5, image=vision), tiny_sequence(name, text=3)]
+    ids, mask = padded(rows)
+    pixels = tiny_pixels(int(vision))
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False)
+
+    def lora_model(patch_first=False):
+        base = tiny_model(name)
+        if patch_first:
+            tfcompat.patch(base)
+        torch.manual_seed(1)  # the same LoRA weights either way
+        return peft.get_peft_model(base, peft.LoraConfig(**lora))
+
+    plain = lora_model()
+    want = plain(input_ids=ids, attention_mask=mask, **forward_kwargs(plain.get_base_model(), ids, **pixels)).logits
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(2))
+    (want * weights * mask[..., None]).sum().backward()
+    want_grads = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
+
+    model = lora_model(patch_first=order == "patch_then_peft")
+    if order == "peft_then_patch":
+        tfcompat.patch(model)
+    pk = pack(ids, mask, three_d_positions(model.get_base_model(), ids, mask, pixels), vision=vision)
+    out = model(input_ids=pk.input_ids, position_ids=pk.position_ids,
+                **forward_kwargs(model.get_base_model(), pk.input_ids, **pixels)).logits
+    got = unpack(out, pk)
+    (got * weights * mask[..., None]).sum().backward()
+    from _helpers import close_to_model
+
+    close_to_model(got[mask.bool()].detach(), want[mask.bool()].detach(), f"{name}/{order} logits")
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(grads) == set(want_grads) and any("lora_" in n for n in grads)
+    for n, g in grads.items():
+        close_to_model(g, want_grads[n], f"{name}/{order} grad {n}")
