@@ -67,33 +67,43 @@ def test_check_all_families_json():
         assert all(r["skipped"] or r["compares"] in ("fwd", "fwd+bwd", "values") for r in mine)
 
 
-def test_check_text_table_and_summary():
-    out = run("check", "--family", "qwen2_vl")
-    assert out.returncode == 0
-    last = out.stdout.strip().splitlines()[-1]
-    assert "rope.native.fp32" in out.stdout and last.startswith("7 passed, 0 failed, 0 skipped (1 family,")
+def check_here(capsys, *args):
+    """`tfcompat check ...` in this process (the subprocess runs above prove the command itself; these save
+    the seconds of importing torch and transformers again)."""
+    from tfcompat import _cli
+
+    capsys.readouterr()
+    code = _cli.main(["check", *args])
+    return code, capsys.readouterr().out
 
 
-def test_check_fails_on_a_wrong_tolerance():
-    out = run("check", "--family", "qwen2_vl", "--tolerance", "-1")
-    assert out.returncode == 1
-    assert "FAIL" in out.stdout and "0 passed, 7 failed" in out.stdout
+def test_check_text_table_and_summary(capsys):
+    code, out = check_here(capsys, "--family", "qwen2_vl")
+    assert code == 0
+    last = out.strip().splitlines()[-1]
+    assert "rope.native.fp32" in out and last.startswith("7 passed, 0 failed, 0 skipped (1 family,")
 
 
-def test_check_says_why_a_check_does_not_apply():
+def test_check_fails_on_a_wrong_tolerance(capsys):
+    code, out = check_here(capsys, "--family", "qwen2_vl", "--tolerance", "-1")
+    assert code == 1
+    assert "FAIL" in out and "0 passed, 7 failed" in out
+
+
+def test_check_says_why_a_check_does_not_apply(capsys):
     """A family whose checks do not all apply: exit 0, one line per check, the reason on each skipped one."""
     from tfcompat._families import FAMILIES
 
     name = next((n for n in installed() if FAMILIES[n].nope), None) or next(
         n for n in installed() if not FAMILIES[n].vision)
-    out = run("check", "--family", name)
-    assert out.returncode == 0, out.stdout + out.stderr
-    lines = [line for line in out.stdout.splitlines() if line.startswith("  [")]
+    code, out = check_here(capsys, "--family", name)
+    assert code == 0, out
+    lines = [line for line in out.splitlines() if line.startswith("  [")]
     assert len(lines) == 7
     skipped = [line for line in lines if line.startswith("  [skip]")]
     assert skipped and all(len(line.split(None, 4)) == 5 for line in skipped), skipped
     if FAMILIES[name].nope:
-        assert "NoPE" in out.stdout
+        assert "NoPE" in out
 
 
 @pytest.mark.parametrize("command", [["report"], ["report", "--json"]])

@@ -146,8 +146,8 @@ def test_trainer_with_the_flattening_collator_equals_padded(name, tmp_path):
     assert len(want) == 3 and got == pytest.approx(want, rel=1e-4, abs=1e-4)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-@pytest.mark.parametrize("order", ["patch_then_peft", "peft_then_patch"])
+@pytest.mark.parametrize("name,order", [(n, ("patch_then_peft", "peft_then_patch")[i % 2]) for i, n in
+                                        enumerate(FAMILIES)] + [(FAMILIES[0], "peft_then_patch")])
 def test_peft_lora_packed_equals_padded(name, order):
     """PEFT LoRA on the attention projections, patched before or after get_peft_model: logits and every LoRA
     gradient of the packed row equal the unpatched LoRA model on the padded batch."""
