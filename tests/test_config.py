@@ -71,3 +71,15 @@ def test_unscaled_config_reports_default_even_where_rope_scaling_is_an_alias():
     config = tiny_config("qwen2")
     rp = rope_parameters(config)
     assert rp.rope_type == "default" and dict(rp.scaling) == {}
+
+
+def test_rope_parameters_pickle_deepcopy_and_asdict():
+    """Records travel: pickled to dataloader workers, deep-copied with configs, dumped with asdict."""
+    import dataclasses
+    import pickle
+
+    rp = rope_parameters(tiny_config(FAMILIES[0]))
+    assert pickle.loads(pickle.dumps(rp)) == rp and copy.deepcopy(rp) == rp
+    assert dataclasses.asdict(rp)["rope_theta"] == rp.rope_theta and hash(rp) == hash(copy.deepcopy(rp))
+    with pytest.raises(TypeError, match="read-only"):
+        rp.scaling["factor"] = 2.0

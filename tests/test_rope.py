@@ -311,3 +311,22 @@ def test_nope_families_refuse_rope_by_name(name):
         rope_parameters(config)
     assert {r.impl for r in _resolve.report([name]) if r.capability.startswith("rope.") and ":" in r.capability} == \
         {"none"}
+
+
+@pytest.mark.parametrize("impl", rope_impls())
+def test_in_place_on_disjoint_slices_of_one_fused_projection(impl):
+    """q and k cut from one fused QKV output share a storage but no element: rotated in place, exactly as
+    upstream rotates copies of them; aliased q and k are still refused."""
+    from tfcompat.errors import RopeShapeError
+
+    name = next(n for n in FAMILIES if not SPECS[n].vision)
+    config, cos, sin, q, k, _ = _inputs(name, 2, 9, torch.float32, 2, seed=6)  # (batch, seq, heads, dim)
+    fused = torch.cat((q, k, k), dim=2)  # one projection output holding q, k and v heads
+    want = upstream_rope(name, config)(q, k, cos, sin, unsqueeze_dim=2)
+    fq, fk = fused[:, :, :4], fused[:, :, 4:6]
+    got = apply_rope_(fq, fk, cos, sin, config=config, unsqueeze_dim=2, impl=impl)
+    for w, h in zip(want, got):
+        torch.testing.assert_close(h, w, **TOL[torch.float32])
+    torch.testing.assert_close(fused[:, :, 6:], k)  # v untouched
+    with pytest.raises(RopeShapeError, match="share memory"):
+        apply_rope_(fused[:, :, :4], fused[:, :, 2:6], cos, sin, config=config, unsqueeze_dim=2, impl=impl)

@@ -14,7 +14,6 @@ Nothing here writes to a config.
 from __future__ import annotations
 
 import dataclasses
-import types
 from typing import Any, Optional
 
 from . import _resolve
@@ -25,6 +24,27 @@ from .errors import ConfigError
 __all__ = ["RopeParameters", "rope_parameters", "text_config"]
 
 _KNOWN_KEYS = {"rope_type", "type", "rope_theta", "mrope_section", "mrope_interleaved", "partial_rotary_factor"}
+
+
+class FrozenDict(dict):
+    """A read-only dict that pickles, deep-copies and survives ``dataclasses.asdict`` (a MappingProxyType
+    does none of these)."""
+
+    def _read_only(self, *args, **kwargs):
+        raise TypeError("RopeParameters.scaling is read-only; copy it with dict(...) to change it")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _read_only  # type: ignore
+
+    def __reduce__(self):
+        return (type(self), (dict(self),))
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        return type(self)(copy.deepcopy(dict(self), memo))
+
+    def __hash__(self):  # type: ignore[override]
+        return hash(tuple(sorted(self.items(), key=repr)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +64,7 @@ class RopeParameters:
     partial_rotary_factor: float
     mrope_section: Optional[tuple] = None
     mrope_interleaved: bool = False
-    scaling: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+    scaling: FrozenDict = dataclasses.field(default_factory=FrozenDict)
 
 
 def text_config(config: Any) -> Any:
@@ -146,5 +166,5 @@ def rope_parameters(config: Any, *, model_type: Optional[str] = None) -> RopePar
         partial_rotary_factor=partial,
         mrope_section=section,
         mrope_interleaved=fam.mrope == "interleaved",
-        scaling=types.MappingProxyType(scaling),
+        scaling=FrozenDict(scaling),
     )

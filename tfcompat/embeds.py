@@ -41,7 +41,7 @@ __all__ = ["EmbedsResult", "EmbedsError", "unpack_visual_output", "get_input_emb
            "tie_zero"]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class EmbedsResult:
     """inputs_embeds: (batch, seq, hidden). visual_pos_masks: (batch, seq) bool, and
     deepstack_visual_embeds: one (num_visual_tokens, hidden) tensor per deepstack layer
@@ -302,10 +302,10 @@ def get_input_embeds(model: torch.nn.Module, input_ids: torch.Tensor, *, pixel_v
         zero = dummy_visual_zero(model)
         return EmbedsResult(tie_zero(embeds, zero), used_dummy=True)
 
-    result = EmbedsResult(embeds)
     if fam.deepstack and deep_parts:
-        result.visual_pos_masks, result.deepstack_visual_embeds = _deepstack(deep_parts)
-    return result
+        masks, deepstack = _deepstack(deep_parts)
+        return EmbedsResult(embeds, visual_pos_masks=masks, deepstack_visual_embeds=deepstack)
+    return EmbedsResult(embeds)
 
 
 def _deepstack(parts):

@@ -325,6 +325,20 @@ def check_cos(model_type: str, cos: Any, sin: Any) -> None:
                              f"{'(3, batch, seq, dim)' if want == 4 else '(batch, seq, dim)'} with an even dim")
 
 
+def _share_elements(q, k):
+    """Whether q and k have an element in common. Disjoint slices of one fused QKV projection share a storage
+    and interleave in memory without sharing an element: only those are checked element by element."""
+    import torch
+
+    if q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr() or not torch._C._overlaps(q, k):
+        return False
+    if q.dtype != k.dtype or q.device.type == "meta":
+        return True
+    marks = torch.zeros(q.untyped_storage().nbytes() // q.element_size(), dtype=torch.bool, device=q.device)
+    marks.as_strided(q.shape, q.stride(), q.storage_offset()).fill_(True)
+    return bool(marks.as_strided(k.shape, k.stride(), k.storage_offset()).any())
+
+
 def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, config: Any = None,
                 model_type: Optional[str] = None, mrope_section: Optional[Sequence[int]] = None,
                 unsqueeze_dim: int = 1, impl: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,9 +355,8 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     chosen = _impl(impl)
     fam, res, seq_dim = _prepare(q, k, cos, sin, config, model_type, mrope_section, unsqueeze_dim)
     section = _section(fam, config, mrope_section, res.plan, cos) if res.plan.cos_rows == 3 else None
-    import torch
 
-    if q is k or (q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() and torch._C._overlaps(q, k)):
+    if q is k or _share_elements(q, k):
         raise RopeShapeError(f"apply_rope_ for {fam.name}: q and k share memory, so rotating one in place would "
                              f"rotate the other twice; pass separate tensors, or use apply_rope")
     for name, t in (("q", q), ("k", k)):
