@@ -33,7 +33,7 @@ class FrozenDict(dict):
     def _read_only(self, *args, **kwargs):
         raise TypeError("RopeParameters.scaling is read-only; copy it with dict(...) to change it")
 
-    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _read_only  # type: ignore
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _read_only
 
     def __reduce__(self):
         return (type(self), (dict(self),))
@@ -43,7 +43,7 @@ class FrozenDict(dict):
 
         return type(self)(copy.deepcopy(dict(self), memo))
 
-    def __hash__(self):  # type: ignore[override]
+    def __hash__(self):
         return hash(tuple(sorted(self.items(), key=repr)))
 
 
