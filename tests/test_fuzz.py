@@ -21,7 +21,7 @@ from tfcompat.rope import apply_rope, apply_rope_
 from tfcompat.varlen import cu_seqlens_from_position_ids, varlen_attention
 
 from _helpers import TOL, position_ids, rope_impls, rotary, rotary_families, upstream_rope
-from _models import padded, tiny_model, tiny_sequence
+from _models import padded, tiny_model, tiny_pixels, tiny_sequence
 
 FAMILIES = rotary_families()
 NAME = "qwen2" if "qwen2" in FAMILIES else FAMILIES[0]
@@ -190,7 +190,32 @@ def _vl_three_rows():
         return model(input_ids=pk.input_ids, position_ids=pk.position_ids[1:])
 
 
-BAD = _bad_cases()
+def _vl_packed_with_image(boundary_inside=False, text_positions=False):
+    from _models import forward_kwargs, three_d_positions
+
+    model = tiny_model(VL)
+    tfcompat.patch(model)
+    ids, mask = padded([tiny_sequence(VL, text=5, image=True), tiny_sequence(VL, text=3)])
+    pixels = tiny_pixels(1)
+    pk = pack(ids, mask, three_d_positions(model, ids, mask, pixels), vision=True)
+    kw = forward_kwargs(model, pk.input_ids, **pixels)
+    pos = pk.position_ids[0] if text_positions else pk.position_ids
+    if boundary_inside:  # the image's placeholders start after 2 text tokens and a vision-start token
+        first = int((pk.input_ids[0] == model.config.image_token_id).nonzero()[0])
+        total = pk.input_ids.shape[1]
+        cu = torch.tensor([0, first + 2, total], dtype=torch.int32)
+        kw.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+        pos = None
+    with torch.no_grad():
+        return model(input_ids=pk.input_ids, position_ids=pos, **kw)
+
+
+BAD = _bad_cases() + [
+    ("model: a sequence boundary inside an image", lambda: _vl_packed_with_image(boundary_inside=True),
+     "inside the placeholder tokens"),
+    ("model: packed row with images and 2-D position ids", lambda: _vl_packed_with_image(text_positions=True),
+     "would get text positions"),
+]
 
 
 def test_at_least_forty_distinct_bad_inputs():

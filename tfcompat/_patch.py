@@ -348,6 +348,8 @@ def _vl_forward(self, *args, **kwargs):
     if a is None:
         return _original(self, state, *args, **kwargs)  # upstream says what is wrong with the call
     pixels = a.get("pixel_values") is not None or a.get("pixel_values_videos") is not None
+    if pixels and a.get("input_ids") is not None and a["input_ids"].shape[0] == 1 and state.group is None:
+        _check_vision_in_packed_row(self, state, a)
     if pixels and a.get("input_ids") is not None and a.get("mm_token_type_ids") is None and \
             "mm_token_type_ids" in _signature(type(self)).parameters:
         from .embeds import mm_token_type_ids
@@ -372,6 +374,41 @@ def _vl_forward(self, *args, **kwargs):
         return _original(self, state, *args, **kwargs)
     finally:
         hook.remove()
+
+
+def _check_vision_in_packed_row(owner, state, a):
+    """A packed row with images or videos (one host sync per step): its sequence starts must not fall inside
+    a run of placeholder tokens, and 2-D (text) position ids would give the vision tokens text positions."""
+    import torch
+
+    from .embeds import mm_token_type_ids
+
+    ids = a["input_ids"]
+    explicit = dict(_scoped()[1]) if _scoped() is not None and _scoped()[0] == "explicit" else {}
+    explicit.update({k: a[k] for k in _FLASH_KWARGS if a.get(k) is not None})
+    position_ids = a.get("position_ids")
+    text = _text_row(position_ids)
+    cu = explicit.get("cu_seq_lens_q", explicit.get("cu_seq_lens_k"))
+    if cu is None and _packing.current() is not None:
+        cu = _packing.current()[0]
+    if isinstance(cu, torch.Tensor) and cu.device.type != "meta" and cu.dim() == 1:
+        starts = [int(x) for x in cu.tolist()[1:-1]]
+    elif text is not None:
+        starts = _starts(text[0], None, "position ids")[1:]
+    else:
+        return
+    if position_ids is not None and position_ids.dim() == 2 and starts:
+        raise PackingError(
+            f"tfcompat {state.family}: a packed row with images or videos and 2-D position ids: the vision tokens "
+            f"would get text positions; pass the mRoPE ids (tfcompat.embeds.rope_index) to "
+            f"tfcompat.packing.pack(..., config=model.config), which builds 4-row ids")
+    types = mm_token_type_ids(owner.config, ids)[0]
+    inside = [b for b in starts if 0 < b < types.shape[0] and bool(types[b - 1] != 0) and bool(types[b] != 0)]
+    if inside:
+        raise PackingError(
+            f"tfcompat {state.family}: a sequence of the packed row starts at token {inside[0]}, inside the "
+            f"placeholder tokens of an image or video; every image and video must lie within one sequence; "
+            f"check the boundaries (cu_seq_lens_q or the text row of the position ids)")
 
 
 def _check_ulysses_lengths(local, batch, group, state):
