@@ -48,7 +48,7 @@ def main():
         failures += against_fallback("varlen flash", varlen_attention(q, k, v, cu), None)
     else:
         print("[skip] flash-attn is not importable: pip install flash-attn")
-    if varlen._resolve.torch_ships("nn/attention/varlen.py"):
+    if varlen._backends.torch_ships("nn/attention/varlen.py"):
         # PyTorch's own varlen kernel, as varlen._varlen calls it (causal, and a sliding window of 64)
         for window in (None, 64):
             left = -1 if window is None else window - 1

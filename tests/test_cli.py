@@ -170,7 +170,7 @@ def test_vendor_overwrites_an_earlier_copy_and_force(tmp_path):
 def test_report_imports_neither_transformers_nor_torch():
     """What keeps ``tfcompat report`` within a few seconds: every decision is read from transformers' files.
     torch is imported only where triton or flash-attn is installed (whether those import is the decision)."""
-    from tfcompat import _resolve
+    from tfcompat import _backends
 
     code = ("import sys; from tfcompat import _cli; rc = _cli.main(['report']); "
             "print('HEAVY', sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'})); "
@@ -178,5 +178,5 @@ def test_report_imports_neither_transformers_nor_torch():
     out = python("-c", code)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     heavy = out.stdout.rsplit("HEAVY", 1)[1].strip()
-    torch_needed = _resolve.installed("triton") or _resolve.installed("flash_attn")
+    torch_needed = _backends.installed("triton") or _backends.installed("flash_attn")
     assert heavy == ("['torch']" if torch_needed else "[]"), heavy

@@ -224,3 +224,49 @@ def test_rope_index_resolution_is_the_method_rope_index_calls(name):
     assert res.plan.splits_frames == _splits_frames_of(fn.__func__)
     assert res.plan.params == tuple(inspect.signature(fn).parameters)
     assert f"rope_index:{name}" in {r.capability for r in tfcompat.report([name])}
+
+
+def test_the_package_imports_only_downward():
+    """No import cycle between the package's modules, counting imports inside functions too (a cycle there
+    still ties two rooms together): the module graph read with ast is acyclic."""
+    import ast
+    import os
+
+    root = os.path.dirname(tfcompat.__file__)
+    graph = {}
+    for folder, _, files in os.walk(root):
+        for file in files:
+            if not file.endswith(".py"):
+                continue
+            path = os.path.join(folder, file)
+            rel = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+            name = rel[: -len(".__init__")] if rel.endswith(".__init__") else ("" if rel == "__init__" else rel)
+            package = name if file == "__init__.py" else name.rpartition(".")[0]
+            deps = set()
+            for node in ast.walk(ast.parse(open(path).read())):
+                if isinstance(node, ast.ImportFrom) and node.level:
+                    base = package.split(".") if package else []
+                    base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+                    target = ".".join(base + ([node.module] if node.module else []))
+                    for alias in node.names:
+                        sub = f"{target}.{alias.name}".lstrip(".")
+                        deps.add(sub if os.path.exists(os.path.join(root, *sub.split(".")) + ".py") else target)
+            graph[name] = {d for d in deps if d != name}
+    graph = {k: {d for d in v if d in graph} for k, v in graph.items()}
+    state, cycle = {}, []
+
+    def visit(node, stack):
+        state[node] = "open"
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "open":
+                cycle.extend(stack[stack.index(dep):] + [dep] if dep in stack else [node, dep])
+                return True
+            if dep not in state and visit(dep, stack + [dep]):
+                return True
+        state[node] = "done"
+        return False
+
+    for module in sorted(graph):
+        if module not in state and visit(module, [module]):
+            break
+    assert not cycle, f"import cycle: {' -> '.join(m or 'tfcompat' for m in cycle)}"

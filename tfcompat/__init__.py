@@ -30,9 +30,9 @@ def __getattr__(name: str) -> Any:
 
 def report(families: Optional[Iterable[str]] = None) -> list:
     """Every resolver decision for the installed transformers (see :class:`Resolution`)."""
-    from . import _resolve
+    from . import _backends
 
-    return _resolve.report(families)
+    return _backends.report(families)
 
 
 def clear_cache() -> None:

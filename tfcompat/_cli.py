@@ -29,7 +29,7 @@ def _dist_version(name):
 
 # ----------------------------------------------------------------------------- report
 def _report(args):
-    from . import _resolve, version
+    from . import _backends, _resolve, version
 
     doc = {
         "schema": SCHEMA,
@@ -46,7 +46,7 @@ def _report(args):
     try:
         version.require_supported_transformers("tfcompat report")
         doc["families"] = _resolve.installed_families()
-        doc["resolutions"] = [r.as_dict() for r in _resolve.report()]
+        doc["resolutions"] = [r.as_dict() for r in _backends.report()]
         if version.transformers_version() > version._normalize(version.TESTED_MAX_TRANSFORMERS):
             doc["note"] = (f"transformers {doc['transformers']} is newer than the newest tested release "
                            f"{version.TESTED_MAX_TRANSFORMERS}; every choice below comes from probes")

@@ -597,62 +597,15 @@ def installed_families():
     return [name for name, fam in FAMILIES.items() if _exists(fam.modeling)]
 
 
-def installed(package):
-    """Whether a top-level package is installed (found on the path, not imported)."""
-    try:
-        return importlib.util.find_spec(package) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-@functools.lru_cache(maxsize=None)
-def torch_ships(path):
-    """Whether the installed torch has the file ``path`` (relative to its package), read without importing it."""
-    spec = importlib.util.find_spec("torch")
-    return bool(spec and spec.origin) and os.path.exists(os.path.join(os.path.dirname(spec.origin), path))
-
-
-@functools.lru_cache(maxsize=None)
-def varlen_kernel(dropout: bool) -> str:
-    """The packed-attention kernel for CUDA fp16/bf16 tensors, decided once: flash-attn where it imports,
-    else PyTorch's varlen_attn where torch ships it (no dropout), else the exact SDPA fallback. torch is
-    imported only to try flash-attn (it must be imported to know whether it works: often it does not)."""
-    if installed("flash_attn"):
-        from .varlen import _flash_varlen
-
-        if _flash_varlen() is not None:
-            return "flash_attn"
-    if not dropout and torch_ships("nn/attention/varlen.py"):
-        return "torch_varlen"
-    return "sdpa"
-
-
-def _varlen_backends():
-    cuda = varlen_kernel(False)
-    return Resolution("varlen.backend", cuda, "", f"packed attention: CUDA fp16/bf16 tensors -> {cuda}; "
-                      f"CPU, fp32 or dropout -> sdpa (exact fallback, one fused SDPA call per sequence)",
-                      str(_version.transformers_version()))
-
-
-def _rope_impls():
-    from .rope import impl_for
-
-    cuda = impl_for("cuda")
-    why = "triton imports" if cuda == "triton" else "triton does not import"
-    return Resolution("rope.impl", f"cpu={impl_for('cpu')} cuda={cuda}", "",
-                      f"apply_rope impl='auto': CPU tensors -> {impl_for('cpu')} (sliced in-cache kernels); CUDA "
-                      f"tensors -> {cuda} ({why}); under torch.compile or with cos/sin requiring grad -> composite",
-                      str(_version.transformers_version()))
-
-
 def report(families=None):
-    """Resolve every capability for ``families`` (default: all installed) and return the records.
+    """Resolve every capability for ``families`` (default: all installed) and return the records (the
+    environment's kernel choices come first in :func:`tfcompat.report`, from ``_backends``).
 
     Capabilities that cannot be resolved are reported as a Resolution with impl
     ``"unsupported"`` and the error text as reason, so one gap does not hide the rest.
     """
     names = installed_families() if families is None else [_family(f).name for f in families]
-    out = [_rope_impls(), _varlen_backends()]
+    out = []
     for name in names:
         for kind in kinds(name):
             try:

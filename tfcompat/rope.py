@@ -37,11 +37,11 @@ Implementations (``impl=``; the default can be set with the environment variable
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from . import _resolve
+from . import _backends, _resolve
+from ._backends import impl_for
 from ._families import family as _family
 from .errors import ConfigError, RopeShapeError
 
@@ -174,34 +174,8 @@ def _compiling():
     return torch.compiler.is_compiling()
 
 
-@functools.lru_cache(maxsize=None)
-def _triton_kernels():
-    """The Triton kernel module, or the reason it cannot be used (cached: imported once per process)."""
-    if not _resolve.installed("triton"):  # found without importing: absent costs nothing (report imports no torch)
-        return "triton is not installed; install triton, or use impl='native' or 'composite'"
-    try:
-        from ._kernels import rope_triton
-    except ImportError as exc:  # no triton (CPU builds of torch do not ship it)
-        return f"triton is not importable ({exc}); install triton, or use impl='native' or 'composite'"
-    return rope_triton
-
-
-def impl_for(device: Any) -> str:
-    """What ``impl="auto"`` runs on ``device`` ("cpu", "cuda", a torch.device): the decision ``report`` lists.
-
-    CPU: the sliced native kernels (fast in cache). Launch-bound devices (CUDA and others): the fused
-    Triton kernel where triton imports (CUDA builds of torch ship it), else the compact composite.
-    """
-    kind = getattr(device, "type", str(device).split(":")[0])
-    if kind == "cpu":
-        return "native"
-    if kind == "cuda" and not isinstance(_triton_kernels(), str):
-        return "triton"
-    return "composite"
-
-
 def _triton_for(fam, q):
-    mod = _triton_kernels()
+    mod = _backends.triton_kernels()
     if isinstance(mod, str):
         raise ConfigError(f"apply_rope for {fam.name}: impl='triton' but {mod}")
     if q.device.type != "cuda" and not (q.device.type == "cpu" and mod.interpreted()):

@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from . import _resolve
+from . import _backends
 from .errors import PackingError, TfcompatError
 
 __all__ = ["PackingError", "cu_seqlens_from_position_ids", "check_cu_seqlens", "varlen_attention",
@@ -107,15 +107,6 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tens
 
 
 @functools.lru_cache(maxsize=None)
-def _flash_varlen():
-    try:
-        from flash_attn import flash_attn_varlen_func
-    except Exception:  # not installed, or built for another torch/CUDA
-        return None
-    return flash_attn_varlen_func
-
-
-@functools.lru_cache(maxsize=None)
 def _torch_varlen():
     """PyTorch's ``varlen_attn`` (torch 2.10+), imported on first use: importing it loads torch._dynamo
     (~2 s), which ``report`` and CPU runs need not pay; whether torch ships it is read from its files."""
@@ -135,7 +126,7 @@ def backend(tensor: Optional[torch.Tensor] = None, dropout_p: float = 0.0) -> st
     "sdpa": the exact fallback, one fused SDPA call per sequence (every device and dtype).
     """
     cuda_half = tensor is None or (tensor.is_cuda and tensor.dtype in (torch.float16, torch.bfloat16))
-    return _resolve.varlen_kernel(dropout_p != 0.0) if cuda_half else "sdpa"
+    return _backends.varlen_kernel(dropout_p != 0.0) if cuda_half else "sdpa"
 
 
 def flash_attn_available(tensor: Optional[torch.Tensor] = None) -> bool:
@@ -201,7 +192,7 @@ def _varlen(q, k, v, cu_seqlens, bounds, max_seqlen, *, causal, softmax_scale, w
     if kind == "flash_attn":
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         win = (-1, -1) if window is None else (window - 1, 0)
-        return _flash_varlen()(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p,
+        return _backends.flash_varlen()(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p,
                                softmax_scale=softmax_scale, causal=causal, window_size=win)
     if kind == "torch_varlen":
         # no host sync: cu stays on the device, max_seqlen is the Python int computed once per step
