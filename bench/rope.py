@@ -2,7 +2,10 @@
 
     python bench/rope.py [--tokens 16384] [--repeats 7]
 
-Prints medians (ms) and ratios: native / upstream, and in-place / (q.clone() + k.clone()).
+Prints, per variant, the lower quartile (ms) of ``--repeats`` runs, and ratios of lower quartiles: native /
+upstream, in-place / (q.clone() + k.clone()). The variants of a row run interleaved (one round runs each once),
+so a busy neighbour slows them alike; the last column is the largest spread (upper / lower quartile) of the
+row's variants: above ~1.3 the machine was noisy and the row should be rerun.
 Shapes: Qwen2.5-VL-7B (28 q heads, 4 kv heads, head_dim 128, full rotary, NeoX halves, mRoPE) and
 GLM-4.1V-9B (32 q heads, 2 kv heads, head_dim 128, half rotary, GPT-J pairs, mRoPE).
 """
@@ -34,14 +37,22 @@ def _config(family, head_dim, section):
     return config
 
 
-def median_ms(fn, repeats, setup=None):
-    times = []
-    for _ in range(repeats + 1):
-        args = setup() if setup else ()
-        start = time.perf_counter()
-        fn(*args)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[1:])
+def interleaved_ms(variants, repeats):
+    """{name: (lower quartile ms, upper / lower quartile)} of ``(fn, setup)`` variants run round-robin; the
+    first round warms up and is dropped."""
+    times = {name: [] for name in variants}
+    for round_ in range(repeats + 1):
+        for name, (fn, setup) in variants.items():
+            args = setup() if setup else ()
+            start = time.perf_counter()
+            fn(*args)
+            if round_:
+                times[name].append((time.perf_counter() - start) * 1e3)
+    out = {}
+    for name, xs in times.items():
+        q1, _, q3 = statistics.quantiles(xs, n=4) if len(xs) > 1 else (xs[0], xs[0], xs[0])
+        out[name] = (q1, q3 / q1)
+    return out
 
 
 def inputs(name, tokens, dtype, device="cpu"):
@@ -62,26 +73,28 @@ def bench(name, tokens, dtype, repeats):
     config, cos, sin, q, k, gq, gk = inputs(name, tokens, dtype)
     out_q, out_k = torch.empty_like(q), torch.empty_like(k)
 
-    r = {}
-    r["clone"] = median_ms(lambda: (q.clone(), k.clone()), repeats)
-    r["copy_"] = median_ms(lambda: (out_q.copy_(q), out_k.copy_(k)), repeats)
-    r["upstream"] = median_ms(lambda: apply_rope(q, k, cos, sin, config=config, impl="upstream"), repeats)
-    r["native"] = median_ms(lambda: apply_rope(q, k, cos, sin, config=config, impl="native"), repeats)
-    r["inplace"] = median_ms(lambda a, b: apply_rope_(a, b, cos, sin, config=config), repeats,
-                             setup=lambda: (q.clone(), k.clone()))
+    def grads():
+        return q.detach().clone().requires_grad_(True), k.detach().clone().requires_grad_(True)
 
     def fwd_bwd(impl):
-        def setup():
-            return q.detach().clone().requires_grad_(True), k.detach().clone().requires_grad_(True)
-
         def run(a, b):
             oq, ok = apply_rope(a, b, cos, sin, config=config, impl=impl)
             torch.autograd.backward((oq, ok), (gq, gk))
 
-        return median_ms(run, repeats, setup)
+        return run, grads
 
-    r["upstream_fb"] = fwd_bwd("upstream")
-    r["native_fb"] = fwd_bwd("native")
+    variants = {
+        "clone": (lambda: (q.clone(), k.clone()), None),
+        "copy_": (lambda: (out_q.copy_(q), out_k.copy_(k)), None),
+        "upstream": (lambda: apply_rope(q, k, cos, sin, config=config, impl="upstream"), None),
+        "native": (lambda: apply_rope(q, k, cos, sin, config=config, impl="native"), None),
+        "inplace": (lambda a, b: apply_rope_(a, b, cos, sin, config=config), lambda: (q.clone(), k.clone())),
+        "upstream_fb": fwd_bwd("upstream"),
+        "native_fb": fwd_bwd("native"),
+    }
+    timed = interleaved_ms(variants, repeats)
+    r = {name: q1 for name, (q1, _) in timed.items()}
+    r["spread"] = max(spread for _, spread in timed.values())
     return r
 
 
@@ -94,16 +107,17 @@ def main():
     import transformers
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, threads {torch.get_num_threads()}, "
-          f"{args.tokens} tokens, median of {args.repeats}")
+          f"{args.tokens} tokens, lower quartile of {args.repeats} interleaved runs")
     head = (f"{'shape':<15}{'dtype':<6}{'clone ms':>9}{'upstr ms':>9}{'native':>8}{'inplace':>8}"
-            f"{'nat/up':>8}{'inpl/clone':>11}{'fb up ms':>9}{'fb nat':>8}{'fb nat/up':>10}")
+            f"{'nat/up':>8}{'inpl/clone':>11}{'fb up ms':>9}{'fb nat':>8}{'fb nat/up':>10}{'spread':>7}")
     print(head)
     for name in args.shapes:
         for dtype in (torch.float32, torch.bfloat16):
             r = bench(name, args.tokens, dtype, args.repeats)
             print(f"{name:<15}{str(dtype).split('.')[-1]:<6}{r['clone']:9.1f}{r['upstream']:9.1f}{r['native']:8.1f}"
                   f"{r['inplace']:8.1f}{r['native'] / r['upstream']:8.2f}{r['inplace'] / r['clone']:11.2f}"
-                  f"{r['upstream_fb']:9.1f}{r['native_fb']:8.1f}{r['native_fb'] / r['upstream_fb']:10.2f}",
+                  f"{r['upstream_fb']:9.1f}{r['native_fb']:8.1f}{r['native_fb'] / r['upstream_fb']:10.2f}"
+                  f"{r['spread']:7.2f}",
                   flush=True)
 
 
