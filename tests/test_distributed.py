@@ -21,6 +21,9 @@ from _dist import assert_ok, merged, run_cases, spawn
 from _helpers import close_to_model, installed, linear_attention, one_per_shape, patchable  # noqa: F401
 from _models import padded, text_model, tiny_model, tiny_pixels, tiny_sequence
 
+# the workers are spawned once for the module: under pytest-xdist its tests stay on one worker
+pytestmark = pytest.mark.xdist_group("distributed")
+
 HAVE = patchable()
 # the Ulysses mechanism on one family per plan shape (every family's numbers: test_patch, `tfcompat check`)
 ULYSSES = [n for n in one_per_shape(HAVE) if not linear_attention(n)]  # linear attention: refused (tested below)

@@ -19,6 +19,9 @@ from _dist import assert_ok, merged, run_cases, spawn
 from _helpers import close_to_model, installed, linear_attention, patchable  # noqa: F401
 from _models import padded, tiny_model, tiny_sequence
 
+# the workers are spawned once for the module: under pytest-xdist its tests stay on one worker
+pytestmark = pytest.mark.xdist_group("mesh")
+
 HAVE = patchable()
 # the mesh is a mechanism: a text family and a VL family with 4-row ids (deepstack where the release has it)
 MESH_FAMILIES = [n for n in ("qwen2", "qwen3_vl" if "qwen3_vl" in HAVE else "qwen2_vl") if n in HAVE]
