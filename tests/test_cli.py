@@ -50,10 +50,11 @@ def test_report_text():
     assert not wide, f"report lines wider than 100 columns: {wide[:2]}"
 
 
-def test_check_all_families_json():
-    out = run("check", "--json")
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    doc = json.loads(out.stdout)
+def test_check_all_families_json(capsys):
+    """Every family (in process: test_check_unknown_family and test_help run the command itself)."""
+    code, out = check_here(capsys, "--json")
+    assert code == 0, out[-3000:]
+    doc = json.loads(out)
     assert doc["passed"] is True and set(doc["families"]) == set(installed())
     for r in doc["results"]:
         assert set(r) == {"family", "check", "compares", "max_abs_diff", "tolerance", "passed", "skipped",
