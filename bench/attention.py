@@ -5,9 +5,10 @@
 
 All runs use the same model and the same tokens, lengths spread evenly (~50% padding): the padded batch
 has every sequence padded to the longest; "one at a time" runs each sequence alone through upstream, with
-no padding (what a framework without packing does at batch 1). Prints medians and the ratios
-packed/padded and packed/one-at-a-time side by side (target: packed <= one at a time, since packing runs
-the linear layers on all tokens at once).
+no padding (what a framework without packing does at batch 1). Prints lower quartiles of interleaved runs
+(one round runs each variant once), the largest spread (upper / lower quartile), and the ratios
+packed/padded and packed/one-at-a-time (target: packed <= one at a time, since packing runs the linear
+layers on all tokens at once).
 """
 
 import argparse
@@ -22,13 +23,22 @@ from tfcompat.packing import pack
 from tfcompat.testing import tiny_model
 
 
-def timed(fn, repeats):
-    out = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - start)
-    return statistics.median(out[1:]) * 1e3
+def interleaved(variants, repeats):
+    """{name: (lower quartile ms, upper / lower quartile)}: one round runs every variant once (a busy
+    neighbour slows them alike); the first round warms up and is dropped."""
+    times = {name: [] for name in variants}
+    for round_ in range(repeats + 1):
+        for name, (fn, prepare) in variants.items():
+            prepare()
+            start = time.perf_counter()
+            fn()
+            if round_:
+                times[name].append((time.perf_counter() - start) * 1e3)
+    out = {}
+    for name, xs in times.items():
+        q1, q3 = (statistics.quantiles(xs, n=4)[0], statistics.quantiles(xs, n=4)[2]) if len(xs) > 1 else (xs[0],) * 2
+        out[name] = (q1, q3 / q1)
+    return out
 
 
 def main():
@@ -71,16 +81,24 @@ def main():
             logits = model(input_ids=row[None, :n], use_cache=False).logits
             (logits.float().square().sum() / mask.sum()).backward()
 
-    t_padded = timed(padded_step, args.repeats)
-    t_single = timed(one_at_a_time_step, args.repeats)
-    tfcompat.patch(model)
-    t_packed = timed(packed_step, args.repeats)
+    def unpatched():
+        tfcompat.unpatch(model)
+
+    def patched():
+        tfcompat.patch(model)
+
+    timed = interleaved({"padded": (padded_step, unpatched), "one": (one_at_a_time_step, unpatched),
+                         "packed": (packed_step, patched)}, args.repeats)
     tfcompat.unpatch(model)
+    t_padded, t_single, t_packed = (timed[n][0] for n in ("padded", "one", "packed"))
+    spread = max(s for _, s in timed.values())
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {args.family}, hidden {args.hidden}, "
           f"{args.layers} layers, batch {args.batch}, max len {args.max_len}, padding {padding:.0%}, "
-          f"median of {args.repeats}")
-    print(f"{'padded ms':>11}{'one at a time ms':>18}{'packed ms':>11}{'packed/padded':>15}{'packed/one':>12}")
-    print(f"{t_padded:11.1f}{t_single:18.1f}{t_packed:11.1f}{t_packed / t_padded:15.2f}{t_packed / t_single:12.2f}")
+          f"lower quartile of {args.repeats} interleaved runs")
+    print(f"{'padded ms':>11}{'one at a time ms':>18}{'packed ms':>11}{'packed/padded':>15}{'packed/one':>12}"
+          f"{'spread':>8}")
+    print(f"{t_padded:11.1f}{t_single:18.1f}{t_packed:11.1f}{t_packed / t_padded:15.2f}{t_packed / t_single:12.2f}"
+          f"{spread:8.2f}")
 
 
 if __name__ == "__main__":
