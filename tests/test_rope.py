@@ -330,3 +330,24 @@ def test_in_place_on_disjoint_slices_of_one_fused_projection(impl):
     torch.testing.assert_close(fused[:, :, 6:], k)  # v untouched
     with pytest.raises(RopeShapeError, match="share memory"):
         apply_rope_(fused[:, :, :4], fused[:, :, 2:6], cos, sin, config=config, unsqueeze_dim=2, impl=impl)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_double_backward_equals_upstream(name):
+    """create_graph=True through the rotation (gradient penalties, Hessian-vector products): every impl's
+    backward is itself differentiable, and the second-order gradients equal upstream's."""
+    config, cos, sin, q, k, _ = _inputs(name, 2, 7, torch.float32, 1, seed=11)
+    oracle = upstream_rope(name, config)
+
+    def second_order(fn):
+        a, b = q.detach().clone().requires_grad_(True), k.detach().clone().requires_grad_(True)
+        oq, ok = fn(a * 1, b * 1)
+        ga, gb = torch.autograd.grad((oq ** 2).sum() + (ok ** 3).sum(), (a, b), create_graph=True)
+        (ga.pow(2).sum() + gb.pow(2).sum()).backward()
+        return a.grad, b.grad
+
+    want = second_order(lambda a, b: oracle(a, b, cos, sin))
+    for impl in rope_impls():
+        got = second_order(lambda a, b, impl=impl: apply_rope(a, b, cos, sin, config=config, impl=impl))
+        for w, h in zip(want, got):
+            torch.testing.assert_close(h, w, rtol=1e-4, atol=1e-4, msg=lambda m, impl=impl: f"{name} {impl}: {m}")

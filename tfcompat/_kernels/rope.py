@@ -154,8 +154,11 @@ class _Rope(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        inverse = ctx.trig.inverse()
+        if torch.is_grad_enabled():  # create_graph=True: the backward must be differentiable (double backward)
+            return _Rope.apply(grad, None, None, inverse, ctx.seq_dim), None, None, None, None
         grad_in = torch.empty_like(grad)
-        _run(grad, grad_in, ctx.trig.inverse(), ctx.seq_dim)
+        _run(grad, grad_in, inverse, ctx.seq_dim)
         return grad_in, None, None, None, None
 
 

@@ -222,26 +222,29 @@ class _TritonRope(torch.autograd.Function):
     """q and k rotated in one launch; backward = the inverse rotation in one launch (saves cos/sin only)."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, layout, seq_dim, inplace):
+    def forward(ctx, q, k, cos, sin, layout, seq_dim, inplace, inverse=False):
         if inplace:
             qo, ko = q, k
         else:
             qo, ko = torch.empty_like(q), torch.empty_like(k)
-        _launch(q, k, qo, ko, cos, sin, layout, seq_dim, inverse=False)
+        _launch(q, k, qo, ko, cos, sin, layout, seq_dim, inverse=inverse)
         if inplace:
             ctx.mark_dirty(q, k)
         ctx.save_for_backward(cos, sin)
-        ctx.layout, ctx.seq_dim = layout, seq_dim
+        ctx.layout, ctx.seq_dim, ctx.inverse = layout, seq_dim, inverse
         return qo, ko
 
     @staticmethod
     def backward(ctx, gq, gk):
         # grads arrive materialised (an unused output's grad is zeros), possibly strided or expanded
         cos, sin = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the backward is itself a (differentiable) rotation
+            dq, dk = _TritonRope.apply(gq, gk, cos, sin, ctx.layout, ctx.seq_dim, False, not ctx.inverse)
+            return dq, dk, None, None, None, None, None, None
         dq = torch.empty(gq.shape, dtype=gq.dtype, device=gq.device)
         dk = torch.empty(gk.shape, dtype=gk.dtype, device=gk.device)
-        _launch(gq, gk, dq, dk, cos, sin, ctx.layout, ctx.seq_dim, inverse=True)
-        return dq, dk, None, None, None, None, None
+        _launch(gq, gk, dq, dk, cos, sin, ctx.layout, ctx.seq_dim, inverse=not ctx.inverse)
+        return dq, dk, None, None, None, None, None, None
 
 
 class _TritonRopeOne(torch.autograd.Function):
@@ -259,6 +262,9 @@ class _TritonRopeOne(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a differentiable inverse rotation
+            dx, _ = _TritonRope.apply(grad, grad, cos, sin, ctx.layout, ctx.seq_dim, False, True)
+            return dx, None, None, None, None
         dx = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
         _launch(grad, None, dx, None, cos, sin, ctx.layout, ctx.seq_dim, inverse=True)
         return dx, None, None, None, None
