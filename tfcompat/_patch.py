@@ -11,9 +11,11 @@ do not interfere):
   unchanged, and activation-checkpoint recomputation replays the layer call with the same
   tuple, so boundaries travel *with the call*, never through state recomputation cannot see;
 * every decoder layer: reads the boundaries from its arguments and scopes them to its own
-  call (first pass and recomputation alike), for the layers below it;
-* every text attention module: projections, q/k norms, Qwen3.5's gated query, RoPE through
-  :func:`~tfcompat.rope.apply_rope_`, Ulysses all-to-all,
+  call (first pass and recomputation alike), for the layers below it; a layer that holds a
+  linear-attention mixer hands them to it as its ``attention_mask`` (:class:`_StepMask`), so a
+  checkpoint wrapper around the mixer alone replays them too;
+* every text attention module: projections, q/k norms, Qwen3.5's gated query, RoPE out of place
+  through :func:`tfcompat.rope.rotate` (nothing autograd may have saved is written), Ulysses all-to-all,
   :func:`~tfcompat.varlen.varlen_attention`, output projection, in this release's arity;
 * Qwen3.5's Gated DeltaNet layers: run per packed sequence, so no recurrent state leaks.
 
@@ -21,7 +23,7 @@ Boundaries, explicit first: ``cu_seq_lens_q`` (+ ``max_length_q``) keyword argum
 transformers' flattening collator produces), :func:`tfcompat.packing.packed`, the text row of
 4-row position ids, 2-D text ids where a sequence starts at position 0 (transformers' own
 rule). An mRoPE temporal row is never read as boundaries. Each source is validated once per
-step; the per-layer code does no host sync.
+step (``_boundaries``); the per-layer code does no host sync.
 
 Fail closed: a packed row (or any Ulysses step) either runs the patched path or raises a
 :class:`~tfcompat.errors.TfcompatError`; nothing that could be packed is handed to upstream.
@@ -35,8 +37,7 @@ import inspect
 import threading
 from typing import TYPE_CHECKING, Any
 
-from . import _resolve
-from . import packing as _packing
+from . import _boundaries, _resolve
 from ._compat import transformers4
 from ._families import family as _family
 from .errors import ModelError, PackingError, TfcompatError, UlyssesError, UnsupportedTransformersError
@@ -48,9 +49,7 @@ __all__ = ["patch", "unpatch", "PatchRecord"]
 
 _ATTR = "_tfcompat_patch"          # per patched module: its _State
 _MODEL_ATTR = "_tfcompat_model"    # per model passed to patch(): its record
-# what transformers' DataCollatorWithFlattening can emit beside position ids: consumed by the patched text model
-# (validated once per step, turned into the step's boundaries), never forwarded where upstream misreads them
-_FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+_FLASH_KWARGS = _boundaries.FLASH_KWARGS
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "cache_params")
 
 
@@ -122,16 +121,6 @@ class _PatchedForward:
 
     def __repr__(self):
         return f"<tfcompat patched {self.kind} forward of {type(self.module).__name__}>"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Step:
-    """Boundaries of one packed step, validated once: the per-layer code reads Python ints from here."""
-
-    cu: object            # int32 tensor (n + 1,) on the model's device
-    bounds: tuple         # the same as Python ints
-    max_len: int
-    total: int
 
 
 class _Carried(tuple):
@@ -206,49 +195,6 @@ def _arguments(module, args, kwargs):
     return out
 
 
-def _make_step(cu, total, max_len=None, what="boundaries"):
-    from .varlen import check_cu_seqlens
-
-    bounds = check_cu_seqlens(cu, total, what)
-    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-    if max_len is not None and int(max_len) != longest:
-        raise PackingError(f"tfcompat: max_length_q is {int(max_len)} but the longest sequence of cu_seq_lens_q "
-                           f"{list(bounds)} has {longest} tokens; pass both from the same collator")
-    import torch
-
-    return _Step(cu.to(torch.int32), bounds, longest, total)
-
-
-def _starts(ids, valid, what):
-    """Python list of sequence starts in one row of text positions (transformers' rule: a sequence begins
-    where the position is 0). Positions that go down without restarting at 0 are refused."""
-    import torch
-
-    t = ids[valid] if valid is not None else ids
-    if t.numel() == 0:
-        return [0]
-    down = torch.nonzero((t[1:] < t[:-1]) & (t[1:] != 0)).flatten()
-    if down.numel():
-        i = int(down[0]) + 1
-        raise PackingError(
-            f"tfcompat: {what} go down from {int(t[i - 1])} to {int(t[i])} at token {i} without restarting at 0; "
-            f"a packed sequence must start at position 0 (pass cu_seq_lens_q, tfcompat.packing.packed(cu), or "
-            f"4-row ids from tfcompat.packing.pack)"
-        )
-    starts = torch.nonzero(t[1:] == 0).flatten() + 1
-    return [0] + starts.tolist()
-
-
-def _mask_valid(mask, n):
-    """Bool (n,) of real tokens from a 2-D mask of one row, or None when every token is real."""
-    if mask is None:
-        return None
-    if mask.dim() != 2 or mask.shape[-1] != n:
-        return "other"
-    valid = mask[0].bool()
-    return None if bool(valid.all()) else valid
-
-
 # ------------------------------------------------------------------------------ text model
 def _text_model_forward(self, *args, **kwargs):
     import torch
@@ -273,8 +219,9 @@ def _text_model_forward(self, *args, **kwargs):
         changed["position_ids"] = position_ids[1:]  # this release's text model predates the 4-row layout
 
     if group is not None:
-        _check_ulysses_lengths(local, batch, group, state)
-    step = _find_step(state, group, explicit, position_ids, a.get("attention_mask"), batch, local, ref.device)
+        _boundaries.check_ulysses_lengths(local, batch, group, state)
+    step = _boundaries.find_step(state, group, explicit, position_ids, a.get("attention_mask"), batch, local,
+                                 ref.device)
     if step is None:
         if position_ids is not None and position_ids.dim() == 3 and a.get("attention_mask") is None and \
                 "attention_mask" in _signature(type(self)).parameters:
@@ -349,7 +296,9 @@ def _vl_forward(self, *args, **kwargs):
         return _original(self, state, *args, **kwargs)  # upstream says what is wrong with the call
     pixels = a.get("pixel_values") is not None or a.get("pixel_values_videos") is not None
     if pixels and a.get("input_ids") is not None and a["input_ids"].shape[0] == 1 and state.group is None:
-        _check_vision_in_packed_row(self, state, a)
+        scope = _scoped()
+        explicit = scope[1] if scope is not None and scope[0] == "explicit" else {}
+        _boundaries.check_vision_in_packed_row(self, state.family, a, explicit)
     if pixels and a.get("input_ids") is not None and a.get("mm_token_type_ids") is None and \
             "mm_token_type_ids" in _signature(type(self)).parameters:
         from .embeds import mm_token_type_ids
@@ -374,210 +323,6 @@ def _vl_forward(self, *args, **kwargs):
         return _original(self, state, *args, **kwargs)
     finally:
         hook.remove()
-
-
-def _check_vision_in_packed_row(owner, state, a):
-    """A packed row with images or videos (one host sync per step): its sequence starts must not fall inside
-    a run of placeholder tokens, and 2-D (text) position ids would give the vision tokens text positions."""
-    import torch
-
-    from .embeds import mm_token_type_ids
-
-    ids = a["input_ids"]
-    explicit = dict(_scoped()[1]) if _scoped() is not None and _scoped()[0] == "explicit" else {}
-    explicit.update({k: a[k] for k in _FLASH_KWARGS if a.get(k) is not None})
-    position_ids = a.get("position_ids")
-    text = _text_row(position_ids)
-    cu = explicit.get("cu_seq_lens_q", explicit.get("cu_seq_lens_k"))
-    if cu is None and _packing.current() is not None:
-        cu = _packing.current()[0]
-    if isinstance(cu, torch.Tensor) and cu.device.type != "meta" and cu.dim() == 1:
-        starts = [int(x) for x in cu.tolist()[1:-1]]
-    elif text is not None:
-        starts = _starts(text[0], None, "position ids")[1:]
-    else:
-        return
-    if position_ids is not None and position_ids.dim() == 2 and starts:
-        raise PackingError(
-            f"tfcompat {state.family}: a packed row with images or videos and 2-D position ids: the vision tokens "
-            f"would get text positions; pass the mRoPE ids (tfcompat.embeds.rope_index) to "
-            f"tfcompat.packing.pack(..., config=model.config), which builds 4-row ids")
-    types = mm_token_type_ids(owner.config, ids)[0]
-    inside = [b for b in starts if 0 < b < types.shape[0] and bool(types[b - 1] != 0) and bool(types[b] != 0)]
-    if inside:
-        raise PackingError(
-            f"tfcompat {state.family}: a sequence of the packed row starts at token {inside[0]}, inside the "
-            f"placeholder tokens of an image or video; every image and video must lie within one sequence; "
-            f"check the boundaries (cu_seq_lens_q or the text row of the position ids)")
-
-
-def _check_ulysses_lengths(local, batch, group, state):
-    import torch
-    import torch.distributed as dist
-
-    if batch != 1:
-        raise UlyssesError(f"tfcompat {state.family}: Ulysses needs one packed row per rank (batch 1), got batch "
-                           f"{batch}; pack the micro-batch (tfcompat.packing.pack) before slicing it")
-    mine = torch.tensor([local], dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        mine = mine.cuda()
-    seen = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(seen, mine, group=group)  # one small collective per step; equal shapes on every rank
-    lengths = [int(x) for x in seen]
-    if len(set(lengths)) != 1:
-        raise UlyssesError(f"tfcompat {state.family}: Ulysses ranks hold {lengths} tokens; every rank must hold "
-                           f"an equal slice; cut the row with tfcompat.ulysses.slice_for_rank (it pads the end)")
-
-
-def _text_row(position_ids):
-    """The (batch, seq) text positions of 2-D or 4-row ids; None for 3-row mRoPE ids or none."""
-    if position_ids is None or not hasattr(position_ids, "dim"):
-        return None
-    if position_ids.dim() == 2:
-        return position_ids
-    if position_ids.dim() == 3 and position_ids.shape[0] == 4:
-        return position_ids[0]
-    return None
-
-
-def _cu_from_seq_idx(seq_idx, batch, local):
-    """cu_seqlens (int64, CPU) from transformers' ``seq_idx`` (each token's sequence number in the row)."""
-    import torch
-
-    if seq_idx.dim() != 2 or seq_idx.shape[0] != 1 or batch != 1 or seq_idx.shape[1] != local or \
-            seq_idx.dtype.is_floating_point or seq_idx.device.type == "meta":
-        raise PackingError(f"tfcompat: seq_idx of shape {tuple(seq_idx.shape)} ({seq_idx.dtype}, on "
-                           f"{seq_idx.device}) for an input of batch {batch} and {local} tokens; expected (1, "
-                           f"{local}) integers: one packed row, as DataCollatorWithFlattening(return_seq_idx=True) "
-                           f"returns it")
-    row = seq_idx[0].detach().cpu()
-    step = row[1:] - row[:-1]
-    if local and (int(row[0]) != 0 or bool(((step != 0) & (step != 1)).any())):
-        raise PackingError(f"tfcompat: seq_idx must count sequences 0, 1, 2, ... in order, got {row.tolist()}")
-    starts = torch.nonzero(step).flatten() + 1
-    return torch.cat((torch.zeros(1, dtype=torch.int64), starts.to(torch.int64),
-                      torch.tensor([local], dtype=torch.int64)))
-
-
-def _find_step(state, group, explicit, position_ids, mask, batch, local, device):
-    """The step's boundaries, or None for an input that is not packed (and no Ulysses group)."""
-    import torch
-
-    world = state.world if group is not None else 1
-    total = local * world
-    cu = explicit.get("cu_seq_lens_q")
-    if cu is None and explicit.get("cu_seq_lens_k") is not None:
-        cu = explicit["cu_seq_lens_k"]
-    if cu is not None and explicit.get("cu_seq_lens_k") is not None and \
-            not torch.equal(explicit["cu_seq_lens_k"].cpu(), cu.cpu()):
-        raise PackingError("tfcompat: cu_seq_lens_q and cu_seq_lens_k differ; packed training attends each "
-                           "sequence to itself, so pass the same boundaries for both")
-    for key in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"):
-        value = explicit.get(key)
-        if value is not None and not isinstance(value, torch.Tensor):
-            raise PackingError(f"tfcompat: {key} is a {type(value).__name__}; pass a 1-D integer tensor as "
-                               f"transformers' DataCollatorWithFlattening returns it")
-        if value is not None and value.device.type == "meta":
-            raise PackingError(f"tfcompat: {key} is on the meta device and holds no values; pass it on the "
-                               f"model's device (or the CPU)")
-    source = "cu_seq_lens_q"
-    seq_idx = explicit.get("seq_idx")
-    if seq_idx is not None:
-        from_idx = _cu_from_seq_idx(seq_idx, batch, local)
-        if cu is not None and not torch.equal(from_idx, cu.detach().to("cpu", torch.int64)):
-            raise PackingError(f"tfcompat: seq_idx marks sequences at {from_idx.tolist()} but cu_seq_lens_q is "
-                               f"{cu.tolist()}; pass both from the same collator")
-        if cu is None:
-            cu, source = from_idx.to(device), "seq_idx"
-    if cu is None and _packing.current() is not None:
-        cu, max_len = _packing.current()
-        source = "packing.packed(cu)"
-        explicit = {"max_length_q": max_len}
-    valid = _mask_valid(mask, local)
-    if cu is not None:
-        if batch != 1:
-            raise PackingError(f"tfcompat: {source} describes one packed row, but the input has batch {batch}; "
-                               f"pack the batch into one row (tfcompat.packing.pack)")
-        if valid is not None:
-            raise PackingError(f"tfcompat: {source} marks a packed row, but attention_mask has padding in it; "
-                               f"drop the padding (tfcompat.packing.pack does) or pass no mask")
-        if group is not None and int(cu[-1]) < total:
-            cu = torch.cat((cu.to(device), torch.tensor([total], dtype=cu.dtype, device=device)))  # padded tail
-        step = _make_step(cu.to(device), total, explicit.get("max_length_q"), source)
-        text = _text_row(position_ids)
-        if text is not None and group is None:
-            starts = _starts(text[0], None, "position ids")
-            if starts != list(step.bounds[:-1]):
-                raise PackingError(
-                    f"tfcompat: {source} puts sequence starts at {list(step.bounds[:-1])} but the position ids "
-                    f"restart at 0 at {starts}; RoPE and attention would disagree about where sequences begin; "
-                    f"pass position ids that count from 0 in every sequence of {source} (as "
-                    f"DataCollatorWithFlattening and tfcompat.packing.pack build them)")
-        return step
-
-    if position_ids is None:
-        if group is not None:
-            raise UlyssesError(f"tfcompat {state.family}: a Ulysses shard needs its position ids (each rank holds a "
-                               f"slice, so positions cannot be counted locally); pass the sliced position_ids")
-        return None
-    if position_ids.dim() == 3 and position_ids.shape[0] == 4:
-        text, kind = position_ids[0], "text row of the 4-row position ids"
-    elif position_ids.dim() == 2:
-        text, kind = position_ids, "position ids"
-    elif position_ids.dim() == 3 and position_ids.shape[0] == 3:
-        text, kind = None, "mrope"
-    else:
-        raise PackingError(f"tfcompat {state.family}: position_ids of shape {tuple(position_ids.shape)}; expected "
-                           f"(batch, seq), (3, batch, seq) or (4, batch, seq) with the text row first")
-    if batch != 1 or valid == "other":
-        # rows whose every token is real (no mask, a mask of ones, or a mask of another shape that cannot say
-        # otherwise) and whose positions restart hold several sequences: upstream would attend across them
-        if text is not None and (mask is None or mask.dim() == 2):  # a 4-D mask says itself what attends to what
-            for row in range(batch):
-                if mask is not None and mask.shape[-1] == local and not bool(mask[row].bool().all()):
-                    continue  # padding in this row: upstream masks it exactly
-                if len(_starts(text[row], None, "position ids")) > 1:
-                    found = "no mask" if mask is None else f"an attention_mask of shape {tuple(mask.shape)}"
-                    raise PackingError(
-                        f"tfcompat: row {row} of a batch of {batch} restarts its positions (several packed "
-                        f"sequences) with {found}; packed rows must be batch 1, with no mask or a mask of "
-                        f"(1, {local}) ones; pack the whole micro-batch into one row "
-                        f"(tfcompat.packing.pack) or pass cu_seq_lens_q")
-        return None  # padded batch (or a 4-D mask): upstream's own path, exact
-    rows = text if text is not None else position_ids[:, 0]  # (1, n) text row, or (3, n) T/H/W rows
-    if group is not None:
-        from .ulysses import gather_from_ranks
-
-        if valid is not None:
-            raise UlyssesError(f"tfcompat {state.family}: a Ulysses shard with padding in attention_mask; pack the "
-                               f"rows (tfcompat.packing.pack) and slice the packed row")
-        rows = gather_from_ranks(rows.contiguous(), dim=1, group=group)
-    if text is None:
-        # 3-row mRoPE ids: the temporal row repeats and even goes down inside one sequence (an image's
-        # temporal positions can exceed the text after it), so it never marks boundaries. Only a token at
-        # (0, 0, 0) after the first one shows that the row holds several sequences: refuse those.
-        t = rows[:, valid] if valid is not None and group is None else rows
-        zero = (t == 0).all(dim=0)
-        if group is not None:  # slice_for_rank pads the row's end with zeros
-            real = torch.nonzero(~zero).flatten()
-            zero = zero[: int(real[-1]) + 1] if real.numel() else zero[:1]
-        if bool(zero[1:].any()):
-            raise PackingError(
-                f"tfcompat: position ids of shape {tuple(position_ids.shape)} hold several packed sequences (a "
-                f"token after the first sits at (0, 0, 0)), but 3-row mRoPE ids cannot mark where each begins; pass "
-                f"4-row ids (tfcompat.packing.pack builds them), cu_seq_lens_q, or wrap the call in "
-                f"tfcompat.packing.packed(cu_seqlens)")
-        starts = [0]
-    else:
-        starts = _starts(rows[0], valid if group is None else None, kind)
-    if len(starts) > 1 and valid is not None:
-        raise PackingError(f"tfcompat: the {kind} restart at 0 (a packed row) but attention_mask has padding in "
-                           f"the row; drop the padding (tfcompat.packing.pack does) or pass no mask")
-    if len(starts) == 1 and group is None:
-        return None  # one sequence: upstream's own path is exact
-    bounds = starts + [total]
-    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
-    return _Step(cu, tuple(bounds), max(b - a for a, b in zip(bounds[:-1], bounds[1:])), total)
 
 
 def _rotary_forward(self, *args, **kwargs):

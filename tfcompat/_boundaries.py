@@ -1,0 +1,273 @@
+"""Where the sequences of a packed step begin: found once per step, from explicit first (``cu_seq_lens_q/k``,
+``seq_idx``, :func:`tfcompat.packing.packed`), else the text row of the position ids; validated against the
+mask, the positions and (VL) the image/video placeholders; and the equal-shard check of a Ulysses step.
+
+The patched forwards (``_patch``) call these; the per-layer code reads the resulting :class:`Step`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from . import packing as _packing
+from .errors import PackingError, UlyssesError
+
+# what transformers' DataCollatorWithFlattening can emit beside position ids: consumed by the patched text model
+# (validated once per step, turned into the step's boundaries), never forwarded where upstream misreads them
+FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """Boundaries of one packed step, validated once: the per-layer code reads Python ints from here."""
+
+    cu: object            # int32 tensor (n + 1,) on the model's device
+    bounds: tuple         # the same as Python ints
+    max_len: int
+    total: int
+
+
+def make_step(cu, total, max_len=None, what="boundaries"):
+    from .varlen import check_cu_seqlens
+
+    bounds = check_cu_seqlens(cu, total, what)
+    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    if max_len is not None and int(max_len) != longest:
+        raise PackingError(f"tfcompat: max_length_q is {int(max_len)} but the longest sequence of cu_seq_lens_q "
+                           f"{list(bounds)} has {longest} tokens; pass both from the same collator")
+    import torch
+
+    return Step(cu.to(torch.int32), bounds, longest, total)
+
+
+def starts_of(ids, valid, what):
+    """Python list of sequence starts in one row of text positions (transformers' rule: a sequence begins
+    where the position is 0). Positions that go down without restarting at 0 are refused."""
+    import torch
+
+    t = ids[valid] if valid is not None else ids
+    if t.numel() == 0:
+        return [0]
+    down = torch.nonzero((t[1:] < t[:-1]) & (t[1:] != 0)).flatten()
+    if down.numel():
+        i = int(down[0]) + 1
+        raise PackingError(
+            f"tfcompat: {what} go down from {int(t[i - 1])} to {int(t[i])} at token {i} without restarting at 0; "
+            f"a packed sequence must start at position 0 (pass cu_seq_lens_q, tfcompat.packing.packed(cu), or "
+            f"4-row ids from tfcompat.packing.pack)"
+        )
+    starts = torch.nonzero(t[1:] == 0).flatten() + 1
+    return [0] + starts.tolist()
+
+
+def mask_valid(mask, n):
+    """Bool (n,) of real tokens from a 2-D mask of one row, or None when every token is real."""
+    if mask is None:
+        return None
+    if mask.dim() != 2 or mask.shape[-1] != n:
+        return "other"
+    valid = mask[0].bool()
+    return None if bool(valid.all()) else valid
+
+
+def check_ulysses_lengths(local, batch, group, state):
+    import torch
+    import torch.distributed as dist
+
+    if batch != 1:
+        raise UlyssesError(f"tfcompat {state.family}: Ulysses needs one packed row per rank (batch 1), got batch "
+                           f"{batch}; pack the micro-batch (tfcompat.packing.pack) before slicing it")
+    mine = torch.tensor([local], dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        mine = mine.cuda()
+    seen = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(seen, mine, group=group)  # one small collective per step; equal shapes on every rank
+    lengths = [int(x) for x in seen]
+    if len(set(lengths)) != 1:
+        raise UlyssesError(f"tfcompat {state.family}: Ulysses ranks hold {lengths} tokens; every rank must hold "
+                           f"an equal slice; cut the row with tfcompat.ulysses.slice_for_rank (it pads the end)")
+
+
+def text_row(position_ids):
+    """The (batch, seq) text positions of 2-D or 4-row ids; None for 3-row mRoPE ids or none."""
+    if position_ids is None or not hasattr(position_ids, "dim"):
+        return None
+    if position_ids.dim() == 2:
+        return position_ids
+    if position_ids.dim() == 3 and position_ids.shape[0] == 4:
+        return position_ids[0]
+    return None
+
+
+def cu_from_seq_idx(seq_idx, batch, local):
+    """cu_seqlens (int64, CPU) from transformers' ``seq_idx`` (each token's sequence number in the row)."""
+    import torch
+
+    if seq_idx.dim() != 2 or seq_idx.shape[0] != 1 or batch != 1 or seq_idx.shape[1] != local or \
+            seq_idx.dtype.is_floating_point or seq_idx.device.type == "meta":
+        raise PackingError(f"tfcompat: seq_idx of shape {tuple(seq_idx.shape)} ({seq_idx.dtype}, on "
+                           f"{seq_idx.device}) for an input of batch {batch} and {local} tokens; expected (1, "
+                           f"{local}) integers: one packed row, as DataCollatorWithFlattening(return_seq_idx=True) "
+                           f"returns it")
+    row = seq_idx[0].detach().cpu()
+    step = row[1:] - row[:-1]
+    if local and (int(row[0]) != 0 or bool(((step != 0) & (step != 1)).any())):
+        raise PackingError(f"tfcompat: seq_idx must count sequences 0, 1, 2, ... in order, got {row.tolist()}")
+    starts = torch.nonzero(step).flatten() + 1
+    return torch.cat((torch.zeros(1, dtype=torch.int64), starts.to(torch.int64),
+                      torch.tensor([local], dtype=torch.int64)))
+
+
+def find_step(state, group, explicit, position_ids, mask, batch, local, device):
+    """The step's boundaries, or None for an input that is not packed (and no Ulysses group)."""
+    import torch
+
+    world = state.world if group is not None else 1
+    total = local * world
+    cu = explicit.get("cu_seq_lens_q")
+    if cu is None and explicit.get("cu_seq_lens_k") is not None:
+        cu = explicit["cu_seq_lens_k"]
+    if cu is not None and explicit.get("cu_seq_lens_k") is not None and \
+            not torch.equal(explicit["cu_seq_lens_k"].cpu(), cu.cpu()):
+        raise PackingError("tfcompat: cu_seq_lens_q and cu_seq_lens_k differ; packed training attends each "
+                           "sequence to itself, so pass the same boundaries for both")
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"):
+        value = explicit.get(key)
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise PackingError(f"tfcompat: {key} is a {type(value).__name__}; pass a 1-D integer tensor as "
+                               f"transformers' DataCollatorWithFlattening returns it")
+        if value is not None and value.device.type == "meta":
+            raise PackingError(f"tfcompat: {key} is on the meta device and holds no values; pass it on the "
+                               f"model's device (or the CPU)")
+    source = "cu_seq_lens_q"
+    seq_idx = explicit.get("seq_idx")
+    if seq_idx is not None:
+        from_idx = cu_from_seq_idx(seq_idx, batch, local)
+        if cu is not None and not torch.equal(from_idx, cu.detach().to("cpu", torch.int64)):
+            raise PackingError(f"tfcompat: seq_idx marks sequences at {from_idx.tolist()} but cu_seq_lens_q is "
+                               f"{cu.tolist()}; pass both from the same collator")
+        if cu is None:
+            cu, source = from_idx.to(device), "seq_idx"
+    if cu is None and _packing.current() is not None:
+        cu, max_len = _packing.current()
+        source = "packing.packed(cu)"
+        explicit = {"max_length_q": max_len}
+    valid = mask_valid(mask, local)
+    if cu is not None:
+        if batch != 1:
+            raise PackingError(f"tfcompat: {source} describes one packed row, but the input has batch {batch}; "
+                               f"pack the batch into one row (tfcompat.packing.pack)")
+        if valid is not None:
+            raise PackingError(f"tfcompat: {source} marks a packed row, but attention_mask has padding in it; "
+                               f"drop the padding (tfcompat.packing.pack does) or pass no mask")
+        if group is not None and int(cu[-1]) < total:
+            cu = torch.cat((cu.to(device), torch.tensor([total], dtype=cu.dtype, device=device)))  # padded tail
+        step = make_step(cu.to(device), total, explicit.get("max_length_q"), source)
+        text = text_row(position_ids)
+        if text is not None and group is None:
+            starts = starts_of(text[0], None, "position ids")
+            if starts != list(step.bounds[:-1]):
+                raise PackingError(
+                    f"tfcompat: {source} puts sequence starts at {list(step.bounds[:-1])} but the position ids "
+                    f"restart at 0 at {starts}; RoPE and attention would disagree about where sequences begin; "
+                    f"pass position ids that count from 0 in every sequence of {source} (as "
+                    f"DataCollatorWithFlattening and tfcompat.packing.pack build them)")
+        return step
+
+    if position_ids is None:
+        if group is not None:
+            raise UlyssesError(f"tfcompat {state.family}: a Ulysses shard needs its position ids (each rank holds a "
+                               f"slice, so positions cannot be counted locally); pass the sliced position_ids")
+        return None
+    if position_ids.dim() == 3 and position_ids.shape[0] == 4:
+        text, kind = position_ids[0], "text row of the 4-row position ids"
+    elif position_ids.dim() == 2:
+        text, kind = position_ids, "position ids"
+    elif position_ids.dim() == 3 and position_ids.shape[0] == 3:
+        text, kind = None, "mrope"
+    else:
+        raise PackingError(f"tfcompat {state.family}: position_ids of shape {tuple(position_ids.shape)}; expected "
+                           f"(batch, seq), (3, batch, seq) or (4, batch, seq) with the text row first")
+    if batch != 1 or valid == "other":
+        # rows whose every token is real (no mask, a mask of ones, or a mask of another shape that cannot say
+        # otherwise) and whose positions restart hold several sequences: upstream would attend across them
+        if text is not None and (mask is None or mask.dim() == 2):  # a 4-D mask says itself what attends to what
+            for row in range(batch):
+                if mask is not None and mask.shape[-1] == local and not bool(mask[row].bool().all()):
+                    continue  # padding in this row: upstream masks it exactly
+                if len(starts_of(text[row], None, "position ids")) > 1:
+                    found = "no mask" if mask is None else f"an attention_mask of shape {tuple(mask.shape)}"
+                    raise PackingError(
+                        f"tfcompat: row {row} of a batch of {batch} restarts its positions (several packed "
+                        f"sequences) with {found}; packed rows must be batch 1, with no mask or a mask of "
+                        f"(1, {local}) ones; pack the whole micro-batch into one row "
+                        f"(tfcompat.packing.pack) or pass cu_seq_lens_q")
+        return None  # padded batch (or a 4-D mask): upstream's own path, exact
+    rows = text if text is not None else position_ids[:, 0]  # (1, n) text row, or (3, n) T/H/W rows
+    if group is not None:
+        from .ulysses import gather_from_ranks
+
+        if valid is not None:
+            raise UlyssesError(f"tfcompat {state.family}: a Ulysses shard with padding in attention_mask; pack the "
+                               f"rows (tfcompat.packing.pack) and slice the packed row")
+        rows = gather_from_ranks(rows.contiguous(), dim=1, group=group)
+    if text is None:
+        # 3-row mRoPE ids: the temporal row repeats and even goes down inside one sequence (an image's
+        # temporal positions can exceed the text after it), so it never marks boundaries. Only a token at
+        # (0, 0, 0) after the first one shows that the row holds several sequences: refuse those.
+        t = rows[:, valid] if valid is not None and group is None else rows
+        zero = (t == 0).all(dim=0)
+        if group is not None:  # slice_for_rank pads the row's end with zeros
+            real = torch.nonzero(~zero).flatten()
+            zero = zero[: int(real[-1]) + 1] if real.numel() else zero[:1]
+        if bool(zero[1:].any()):
+            raise PackingError(
+                f"tfcompat: position ids of shape {tuple(position_ids.shape)} hold several packed sequences (a "
+                f"token after the first sits at (0, 0, 0)), but 3-row mRoPE ids cannot mark where each begins; pass "
+                f"4-row ids (tfcompat.packing.pack builds them), cu_seq_lens_q, or wrap the call in "
+                f"tfcompat.packing.packed(cu_seqlens)")
+        starts = [0]
+    else:
+        starts = starts_of(rows[0], valid if group is None else None, kind)
+    if len(starts) > 1 and valid is not None:
+        raise PackingError(f"tfcompat: the {kind} restart at 0 (a packed row) but attention_mask has padding in "
+                           f"the row; drop the padding (tfcompat.packing.pack does) or pass no mask")
+    if len(starts) == 1 and group is None:
+        return None  # one sequence: upstream's own path is exact
+    bounds = starts + [total]
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    return Step(cu, tuple(bounds), max(b - a for a, b in zip(bounds[:-1], bounds[1:])), total)
+
+
+def check_vision_in_packed_row(owner, family, a, explicit):
+    """A packed row with images or videos (one host sync per step): its sequence starts must not fall inside
+    a run of placeholder tokens, and 2-D (text) position ids would give the vision tokens text positions."""
+    import torch
+
+    from .embeds import mm_token_type_ids
+
+    ids = a["input_ids"]
+    explicit = dict(explicit, **{k: a[k] for k in FLASH_KWARGS if a.get(k) is not None})
+    position_ids = a.get("position_ids")
+    text = text_row(position_ids)
+    cu = explicit.get("cu_seq_lens_q", explicit.get("cu_seq_lens_k"))
+    if cu is None and _packing.current() is not None:
+        cu = _packing.current()[0]
+    if isinstance(cu, torch.Tensor) and cu.device.type != "meta" and cu.dim() == 1:
+        starts = [int(x) for x in cu.tolist()[1:-1]]
+    elif text is not None:
+        starts = starts_of(text[0], None, "position ids")[1:]
+    else:
+        return
+    if position_ids is not None and position_ids.dim() == 2 and starts:
+        raise PackingError(
+            f"tfcompat {family}: a packed row with images or videos and 2-D position ids: the vision tokens "
+            f"would get text positions; pass the mRoPE ids (tfcompat.embeds.rope_index) to "
+            f"tfcompat.packing.pack(..., config=model.config), which builds 4-row ids")
+    types = mm_token_type_ids(owner.config, ids)[0]
+    inside = [b for b in starts if 0 < b < types.shape[0] and bool(types[b - 1] != 0) and bool(types[b] != 0)]
+    if inside:
+        raise PackingError(
+            f"tfcompat {family}: a sequence of the packed row starts at token {inside[0]}, inside the "
+            f"placeholder tokens of an image or video; every image and video must lie within one sequence; "
+            f"check the boundaries (cu_seq_lens_q or the text row of the position ids)")
