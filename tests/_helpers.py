@@ -140,3 +140,19 @@ def grads_by_name(got, want, what):
         assert not bool(present.count_nonzero()), f"{what}: nonzero gradient of {key} in one run only"
     assert pairs, f"{what}: no gradients to compare"
     return pairs
+
+
+def verl_ulysses():
+    """verl's own Ulysses helpers (``verl/utils/ulysses.py``, torch only), loaded from the installed verl's
+    files without running its package ``__init__`` (which needs ray, tensordict, ...: verl is installed
+    without its dependencies); None where verl is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "utils", "ulysses.py")
+    module_spec = importlib.util.spec_from_file_location("_verl_utils_ulysses", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module

@@ -18,7 +18,7 @@ from tfcompat.packing import pack, unpack
 from tfcompat.ulysses import gather_from_ranks, slice_for_rank
 
 from _dist import assert_ok, merged, run_cases, spawn
-from _helpers import close_to_model, installed, linear_attention, one_per_shape, patchable  # noqa: F401
+from _helpers import close_to_model, installed, linear_attention, one_per_shape, patchable, verl_ulysses  # noqa: F401
 from _models import padded, text_model, tiny_model, tiny_pixels, tiny_sequence
 
 # the workers are spawned once for the module: under pytest-xdist its tests stay on one worker
@@ -28,6 +28,9 @@ HAVE = patchable()
 # the Ulysses mechanism on one family per plan shape (every family's numbers: test_patch, `tfcompat check`)
 ULYSSES = [n for n in one_per_shape(HAVE) if not linear_attention(n)]  # linear attention: refused (tested below)
 VISION = [n for n in one_per_shape(HAVE) if SPECS[n].vision]
+# verl's whole-row call: a text family and the VL families verl slices (Qwen3-VL: deepstack rows too)
+WHOLE_ROW = [n for n in ("qwen2", "qwen2_vl", "glm4v", "qwen3_vl") if n in HAVE]
+VERL = verl_ulysses()
 
 
 def _ulysses_worker(rank, world, name, kv_heads, ckpt):
@@ -186,6 +189,8 @@ def _cases(rank, world):
         if name in HAVE:
             cases.append((f"ddp:{name}", functools.partial(_ddp_worker, rank, world, name, "ddp")))
     cases.append(("fsdp:qwen2_vl", functools.partial(_ddp_worker, rank, world, "qwen2_vl", "fsdp")))
+    for name in WHOLE_ROW:
+        cases.append((f"whole_row:{name}", functools.partial(_whole_row_worker, rank, world, name)))
     cases.append(("bad_heads", functools.partial(_bad_heads_worker, rank, world)))
     cases.append(("unequal_lengths", functools.partial(_unequal_lengths_worker, rank, world)))
     for name in [n for n in HAVE if linear_attention(n)]:
@@ -331,3 +336,80 @@ def test_ulysses_with_images_and_deepstack(outcomes, name):
     if name not in HAVE:
         pytest.skip("not in this release")
     assert_ok(outcomes, f"ulysses_vision:{name}")
+
+
+def _whole_row_worker(rank, world, name):
+    """verl's whole-row call: every rank passes the whole packed row (ids, positions, pixels; padded by verl's
+    own ``ulysses_pad``) to the top-level model patched with slice_inputs=True, which returns this rank's slice
+    of the logits; verl's ``gather_outputs_and_unpad`` joins them. Logits and every gradient (summed over the
+    ranks) equal the single-process patched model on the same packed row. Without slice_inputs the same call
+    is refused, as are labels and rows that differ between ranks."""
+    from _models import forward_kwargs
+
+    vision = SPECS[name].vision
+    rows = [tiny_sequence(name, text=4), tiny_sequence(name, text=5, image=vision), tiny_sequence(name, text=2)]
+    ids, mask = padded(rows)
+    pixels = tiny_pixels(1) if vision else {}
+    probe = tiny_model(name)
+    if vision:
+        pos3, _ = rope_index(probe, ids, image_grid_thw=pixels["image_grid_thw"], attention_mask=mask)
+        pk = pack(ids, mask, pos3)
+    else:
+        pk = pack(ids, mask)
+    total = pk.input_ids.shape[1]
+    kw = forward_kwargs(probe, pk.input_ids, **pixels)
+
+    ref = tiny_model(name)
+    tfcompat.patch(ref)
+    ref.train()
+    want = ref(input_ids=pk.input_ids, position_ids=pk.position_ids, **kw).logits
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
+    (want * weights).sum().backward()
+
+    model = tiny_model(name)
+    tfcompat.patch(model, ulysses_group=dist.group.WORLD, slice_inputs=True)
+    model.train()
+    if VERL is not None:
+        row, pos, pad = VERL.ulysses_pad(pk.input_ids, pk.position_ids, sp_size=world)
+    else:
+        row, pos, pad = pk.input_ids, pk.position_ids, 0
+    kw_row = forward_kwargs(probe, row, **pixels)
+    local = model(input_ids=row, position_ids=pos, **kw_row).logits
+    assert local.shape[1] == -(-total // world), (tuple(local.shape), total)
+    if VERL is not None:
+        got = VERL.gather_outputs_and_unpad(local, gather_dim=1, unpad_dim=1, padding_size=pad, grad_scaler=False,
+                                            group=dist.group.WORLD)
+    else:
+        got = gather_from_ranks(local, dim=1, length=total)
+    (got * weights).sum().backward()
+    close_to_model(got.detach(), want.detach(), f"rank {rank} logits")
+    _compare_summed_grads(model, ref, rank)
+
+    with pytest.raises(UlyssesError, match="labels with slice_inputs=True"):
+        model(input_ids=row, position_ids=pos, labels=row, **kw_row)
+    if not vision:
+        other = row if rank == 0 else row.flip(-1)
+        with pytest.raises(UlyssesError, match="passed different rows"):
+            model(input_ids=other, position_ids=pos)
+    plain = tiny_model(name)
+    tfcompat.patch(plain, ulysses_group=dist.group.WORLD)
+    with pytest.raises(UlyssesError, match="slice_inputs=True"):
+        plain(input_ids=row, position_ids=pos, **kw_row)
+    if not vision and VERL is not None:
+        # verl's text path: its own ulysses_pad_and_slice_inputs gives each rank its slice (of verl's group:
+        # unset, every rank would take rank 0's slice, which the patched model refuses as a whole row)
+        VERL.set_ulysses_sequence_parallel_group(dist.group.WORLD)
+        ids_local, pos_local, pad = VERL.ulysses_pad_and_slice_inputs(pk.input_ids, pk.position_ids, sp_size=world)
+        plain.train()
+        local = plain(input_ids=ids_local, position_ids=pos_local).logits
+        got = VERL.gather_outputs_and_unpad(local, gather_dim=1, unpad_dim=1, padding_size=pad, grad_scaler=False,
+                                            group=dist.group.WORLD)
+        close_to_model(got.detach(), want.detach(), f"rank {rank} logits (verl's slicing)")
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen2_vl", "glm4v", "qwen3_vl"])
+def test_whole_row_call_slices_after_embedding(outcomes, name):
+    """verl's VLM Ulysses call, with verl's own ulysses_pad / gather_outputs_and_unpad where verl is installed."""
+    if name not in HAVE:
+        pytest.skip("not in this release")
+    assert_ok(outcomes, f"whole_row:{name}")

@@ -42,7 +42,8 @@ def clear_cache() -> None:
     _resolve.clear_cache()
 
 
-def patch(model: Any, *, remove_padding: bool = True, ulysses_group: Any = None, dummy_visual: bool = True) -> Any:
+def patch(model: Any, *, remove_padding: bool = True, ulysses_group: Any = None, dummy_visual: bool = True,
+          slice_inputs: bool = False) -> Any:
     """Patch a loaded GLM/Qwen model instance for packed sequences and Ulysses sequence parallelism.
 
     Args:
@@ -54,6 +55,10 @@ def patch(model: Any, *, remove_padding: bool = True, ulysses_group: Any = None,
         dummy_visual: vision-language models only: on a text-only batch in training mode, run the
             vision tower on the smallest valid input and add one zero-weighted scalar to the token
             embeddings, so every vision weight gets a zero (not None) gradient on every rank.
+        slice_inputs: with ``ulysses_group``: every rank passes the whole packed row (ids, positions,
+            pixels) to the model, which embeds it, keeps this rank's slice (vision tokens, deepstack
+            features and positions included) and returns this rank's slice of the outputs (verl's VLM
+            call). Without it, each rank passes its own slice, and a whole row on every rank is refused.
 
     Returns:
         a :class:`PatchRecord` of what is patched now. Patching again with the same options
@@ -63,7 +68,7 @@ def patch(model: Any, *, remove_padding: bool = True, ulysses_group: Any = None,
     Raises:
         ModelError: ``model`` is not a model instance (a config, a family name, a class).
         UnsupportedTransformersError: a family or release tfcompat does not serve (the reason is named).
-        UlyssesError: a group the model's heads cannot be split over.
+        UlyssesError: a group the model's heads cannot be split over; ``slice_inputs`` without a group.
 
     The patched modules keep upstream's ``forward`` signature (HF Trainer's column filter and
     ``generate()`` read it); a call that is not packed runs upstream's own path.
@@ -72,7 +77,8 @@ def patch(model: Any, *, remove_padding: bool = True, ulysses_group: Any = None,
     """
     from . import _patch
 
-    return _patch.patch(model, remove_padding=remove_padding, ulysses_group=ulysses_group, dummy_visual=dummy_visual)
+    return _patch.patch(model, remove_padding=remove_padding, ulysses_group=ulysses_group, dummy_visual=dummy_visual,
+                        slice_inputs=slice_inputs)
 
 
 def unpatch(model: Any) -> bool:

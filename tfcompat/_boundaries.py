@@ -70,22 +70,96 @@ def mask_valid(mask, n):
     return None if bool(valid.all()) else valid
 
 
-def check_ulysses_lengths(local, batch, group, state):
+def _fingerprint(ref, position_ids):
+    """Two numbers that differ between a rank's slice and its neighbour's (weighted sums of the ids, or of the
+    first embedding channel, and of the positions); equal on every rank only when every rank holds one row."""
+    import torch
+
+    n = ref.shape[1]
+    w = torch.arange(1, n + 1, dtype=torch.float64, device=ref.device)
+    first = ref[0] if ref.dim() == 2 else ref[0, :, 0]
+    pos = position_ids.reshape(-1, n).to(torch.float64) @ w if position_ids is not None and \
+        position_ids.shape[-1] == n else torch.zeros(1, dtype=torch.float64, device=ref.device)
+    return torch.stack(((first.detach().to(torch.float64) @ w), pos.sum()))
+
+
+def check_ulysses_lengths(local, batch, group, state, ref=None, position_ids=None, whole=False):
+    """Every rank holds an equal slice (or, with ``whole``, the same whole row); one small collective per step."""
     import torch
     import torch.distributed as dist
 
     if batch != 1:
         raise UlyssesError(f"tfcompat {state.family}: Ulysses needs one packed row per rank (batch 1), got batch "
                            f"{batch}; pack the micro-batch (tfcompat.packing.pack) before slicing it")
-    mine = torch.tensor([local], dtype=torch.int64)
+    mine = torch.tensor([float(local)], dtype=torch.float64, device=ref.device if ref is not None else None)
+    if ref is not None:
+        mine = torch.cat((mine, _fingerprint(ref, position_ids).to(mine.device)))
     if dist.get_backend(group) == "nccl":
         mine = mine.cuda()
     seen = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(seen, mine, group=group)  # one small collective per step; equal shapes on every rank
-    lengths = [int(x) for x in seen]
+    dist.all_gather(seen, mine, group=group)  # equal shapes on every rank
+    lengths = [int(x[0]) for x in seen]
     if len(set(lengths)) != 1:
+        what = "the whole row" if whole else "an equal slice"
         raise UlyssesError(f"tfcompat {state.family}: Ulysses ranks hold {lengths} tokens; every rank must hold "
-                           f"an equal slice; cut the row with tfcompat.ulysses.slice_for_rank (it pads the end)")
+                           f"{what}; " + ("pass the same packed row on every rank (patched with slice_inputs=True)"
+                                          if whole else "cut the row with tfcompat.ulysses.slice_for_rank (it pads "
+                                                        "the end)"))
+    if ref is None or len(seen) < 2:
+        return
+    same = all(torch.equal(seen[0], x) for x in seen[1:])
+    if whole and not same:
+        raise UlyssesError(f"tfcompat {state.family}: the model was patched with slice_inputs=True, so every rank "
+                           f"passes the whole packed row and the model keeps its own slice; the ranks passed "
+                           f"different rows of {local} tokens; pass the same row (ids, positions, pixels) on every "
+                           f"rank, or patch without slice_inputs and pass each rank's slice")
+    if not whole and same:
+        raise UlyssesError(f"tfcompat {state.family}: every Ulysses rank passed the same {local} tokens and "
+                           f"positions: a whole row, not this rank's slice, so no rank would split the work; "
+                           f"patch with tfcompat.patch(model, ulysses_group=group, slice_inputs=True) to pass the "
+                           f"whole row (the model slices it after embedding, as verl's VLM call expects), or cut "
+                           f"the row per rank (tfcompat.ulysses.slice_for_rank / slice_inputs)")
+
+
+def positions_of(cu, total, device):
+    """Position ids (1, total) that count from 0 in every sequence of ``cu`` (one sequence when None)."""
+    import torch
+
+    idx = torch.arange(total, device=device)
+    if cu is None:
+        return idx[None]
+    cu = cu.to(device=device, dtype=torch.int64)
+    seq = torch.searchsorted(cu[1:], idx, right=True).clamp(max=cu.numel() - 2)
+    return (idx - cu[seq])[None]
+
+
+def slice_whole_row(module, state, a, explicit, group):
+    """``slice_inputs=True``: the text model got the whole packed row on every rank (verl's VLM call); embed it
+    (if ids) and keep this rank's slice of the embeddings, positions and Qwen3-VL's vision rows."""
+    from .ulysses import slice_inputs
+
+    embeds = a.get("inputs_embeds")
+    if embeds is None:
+        embeds = module.get_input_embeddings()(a["input_ids"])
+    batch, total = embeds.shape[:2]
+    position_ids = a.get("position_ids")
+    if position_ids is None:
+        cu = explicit.get("cu_seq_lens_q", explicit.get("cu_seq_lens_k"))
+        position_ids = positions_of(cu, total, embeds.device)
+    if position_ids.shape[-1] != total:
+        raise UlyssesError(f"tfcompat {state.family}: position ids of shape {tuple(position_ids.shape)} for a whole "
+                           f"row of {total} tokens; pass the whole row's positions on every rank")
+    mask = a.get("attention_mask")
+    if mask is not None and hasattr(mask, "dim") and mask.dim() == 2 and not bool(mask.bool().all()):
+        raise UlyssesError(f"tfcompat {state.family}: a whole row with padding in attention_mask; pack the rows "
+                           f"(tfcompat.packing.pack) and pass the packed row with no mask")
+    check_ulysses_lengths(total, batch, group, state, embeds, position_ids, whole=True)
+    extra = {k: a.get(k) for k in ("visual_pos_masks", "deepstack_visual_embeds") if a.get(k) is not None}
+    local = slice_inputs(embeds, position_ids, group=group, **extra)
+    a.update(local, input_ids=None, attention_mask=None)
+    if "cache_position" in a:
+        a["cache_position"] = None  # upstream counts it from the slice
+    return a
 
 
 def text_row(position_ids):

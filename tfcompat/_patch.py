@@ -73,8 +73,10 @@ class _State:
     """Per patched module. Picklable and deep-copyable: a copy shares the (unpicklable) process group;
     a pickled copy forgets it and asks to be patched again before a Ulysses step."""
 
-    def __init__(self, kind, family, remove_padding, group, world, saved_forward=None, dummy_visual=True):
+    def __init__(self, kind, family, remove_padding, group, world, saved_forward=None, dummy_visual=True,
+                 slice_inputs=False):
         self.kind, self.family, self.remove_padding = kind, family, remove_padding
+        self.slice_inputs = slice_inputs  # Ulysses: every rank passes the whole row; the text model slices it
         self.dummy_visual = dummy_visual
         self.section = None  # attention modules: mRoPE sections, read from the config once at patch time
         self.group, self.world, self.saved_forward = group, world, saved_forward
@@ -209,17 +211,20 @@ def _text_model_forward(self, *args, **kwargs):
         return _original(self, state, *args, **kwargs)  # upstream says what is wrong with the call
     plan = _resolve.resolve("attention.signature", state.family).plan
     group = state.group_or_raise()
-    position_ids = a.get("position_ids")
     ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
     if ref is None:
         return _original(self, state, *args, **kwargs)
+    if group is not None and state.slice_inputs:
+        a = _boundaries.slice_whole_row(self, state, a, explicit, group)
+        ref = a["inputs_embeds"]
+    elif group is not None:
+        _boundaries.check_ulysses_lengths(ref.shape[1], ref.shape[0], group, state, ref, a.get("position_ids"))
+    position_ids = a.get("position_ids")
     batch, local = ref.shape[0], ref.shape[1]
     changed = {}
     if position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 4 and not plan.four_row_ids:
         changed["position_ids"] = position_ids[1:]  # this release's text model predates the 4-row layout
 
-    if group is not None:
-        _boundaries.check_ulysses_lengths(local, batch, group, state)
     step = _boundaries.find_step(state, group, explicit, position_ids, a.get("attention_mask"), batch, local,
                                  ref.device)
     if step is None:
@@ -263,12 +268,23 @@ def _top_forward(self, *args, **kwargs):
     """The model patch() was given: takes the flash-attn keyword arguments on every release (some top-level
     forwards reject them) and hands them to the text model of this call."""
     state = getattr(self, _ATTR)
+    _refuse_whole_row_labels(state, kwargs)
     return _with_explicit(lambda *a, **k: _original(self, state, *a, **k), args, kwargs)
 
 
 def _vl_top_forward(self, *args, **kwargs):
     """Both: the model patch() was given also owns the vision tower (4.51 ForConditionalGeneration)."""
+    _refuse_whole_row_labels(getattr(self, _ATTR), kwargs)
     return _with_explicit(lambda *a, **k: _vl_forward(self, *a, **k), args, kwargs)
+
+
+def _refuse_whole_row_labels(state, kwargs):
+    if state.slice_inputs and state.group is not None and kwargs.get("labels") is not None:
+        raise UlyssesError(
+            f"tfcompat {state.family}: labels with slice_inputs=True: the model returns this rank's slice of the "
+            f"logits, which upstream's loss cannot pair with the whole row's labels; call without labels and "
+            f"compute the loss on the gathered logits (tfcompat.ulysses.gather_from_ranks), or on this rank's "
+            f"slice of the shifted labels (tfcompat.ulysses.slice_for_rank)")
 
 
 def _with_explicit(run, args, kwargs):
@@ -295,7 +311,8 @@ def _vl_forward(self, *args, **kwargs):
     if a is None:
         return _original(self, state, *args, **kwargs)  # upstream says what is wrong with the call
     pixels = a.get("pixel_values") is not None or a.get("pixel_values_videos") is not None
-    if pixels and a.get("input_ids") is not None and a["input_ids"].shape[0] == 1 and state.group is None:
+    if pixels and a.get("input_ids") is not None and a["input_ids"].shape[0] == 1 and \
+            (state.group is None or state.slice_inputs):  # this rank holds the whole row
         scope = _scoped()
         explicit = scope[1] if scope is not None and scope[0] == "explicit" else {}
         _boundaries.check_vision_in_packed_row(self, state.family, a, explicit)
@@ -531,7 +548,7 @@ def _patched_as(module):
 
 
 def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group: Any = None,
-          dummy_visual: bool = True) -> PatchRecord:
+          dummy_visual: bool = True, slice_inputs: bool = False) -> PatchRecord:
     """The implementation of :func:`tfcompat.patch` (documented there)."""
     import torch
 
@@ -555,6 +572,9 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
     linear_cls = getattr(module, plan.linear_attention) if plan.linear_attention else None
 
     world = 1
+    if slice_inputs and ulysses_group is None:
+        raise UlyssesError("tfcompat.patch: slice_inputs=True slices a whole row over the Ulysses group; pass "
+                           "ulysses_group=group with it (or leave slice_inputs off)")
     if ulysses_group is not None:
         import torch.distributed as dist
 
@@ -604,14 +624,16 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
     def same(m, kind):
         st = _patched_as(m)
         return st is not None and st.kind == kind and st.remove_padding == remove_padding and \
-            st.group is ulysses_group and not st.group_lost and st.dummy_visual == dummy_visual
+            st.group is ulysses_group and not st.group_lost and st.dummy_visual == dummy_visual and \
+            st.slice_inputs == slice_inputs
 
     patched_below = [m for m in model.modules() if _patched_as(m) is not None]
     if not (targets and all(same(m, kind) for m, kind in targets) and len(patched_below) == len(targets)):
         for m in patched_below:
             _uninstall(m)
         for m, kind in targets:
-            state = _State(kind, fam.name, remove_padding, ulysses_group, world, dummy_visual=dummy_visual)
+            state = _State(kind, fam.name, remove_padding, ulysses_group, world, dummy_visual=dummy_visual,
+                           slice_inputs=slice_inputs)
             if kind == "layer" and linear_cls is not None:
                 state.linear_child = any(isinstance(c, linear_cls) for c in m.modules())
             if kind == "attention" and resolutions[1].plan.cos_rows == 3:
