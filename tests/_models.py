@@ -91,6 +91,9 @@ UPSTREAM_BUGS = (
     (ValueError, "too many values to unpack", "5.0.0", "5.2.99",
      "transformers 5.0 Qwen3-Omni thinker unpacks get_video_features(...).pooler_output into two values and "
      "cannot take videos (upstream bug)"),
+    (RuntimeError, "Class values must be smaller than num_classes", "5.0.0", "5.2.99",
+     "this release's Qwen3-Next router loss (output_router_logits, which TRL's SFTTrainer turns on) one-hot "
+     "encodes expert indices beyond num_experts on the unpatched padded batch (upstream bug)"),
     (RuntimeError, "cannot be broadcast to indexing result", "4.57.0", "4.57.99",
      "transformers 4.57 Qwen3-Omni thinker hands its text model a (batch, seq, hidden) visual mask, which its "
      "deepstack merge cannot index (upstream bug)"),

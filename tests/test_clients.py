@@ -1,6 +1,7 @@
 """A patched model driven by the clients users train with: HF Trainer (default arguments, its column filter
 reads ``inspect.signature(model.forward)``) fed by transformers' DataCollatorWithFlattening, ``generate()``
-in an RL rollout with the policy being trained, fp16 with a GradScaler on text-only batches.
+in an RL rollout with the policy being trained, fp16 with a GradScaler on text-only batches, TRL's
+``SFTTrainer(padding_free=True)`` and PEFT LoRA. (verl's own Ulysses helpers: test_distributed.py.)
 
 Oracle: the unpatched model (padded batch, or its own generate()).
 """
@@ -14,7 +15,7 @@ import tfcompat
 from tfcompat._families import FAMILIES as SPECS
 
 from _helpers import one_per_shape, patchable
-from _models import forward_kwargs, padded, tiny_model, tiny_pixels, tiny_sequence
+from _models import forward_kwargs, padded, run_upstream, tiny_model, tiny_pixels, tiny_sequence
 
 ALL = patchable()
 FAMILIES = one_per_shape(ALL)
@@ -143,6 +144,57 @@ def test_trainer_with_the_flattening_collator_equals_padded(name, tmp_path):
     model = tiny_model(name)
     tfcompat.patch(model)
     got = _trainer_losses(model, _examples(name), DataCollatorWithFlattening(**flags), tmp_path / "packed")
+    assert len(want) == 3 and got == pytest.approx(want, rel=1e-4, abs=1e-4)
+
+
+def _word_tokenizer():
+    """A tokenizer built here (nothing is downloaded): one word per id of the tiny models' vocabulary."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(256)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t1")), pad_token="t0",
+                                   eos_token="t2")
+
+
+def _sft_losses(model, name, padding_free, tmp_path):
+    trl = pytest.importorskip("trl", reason="TRL 1.x is installed by the tox envs of transformers >= 4.56.2; "
+                              "older TRL collates padding-free rows without position ids unless the model runs "
+                              "flash_attention_2, so no model can find the sequences")
+    datasets = pytest.importorskip("datasets")
+    from transformers import TrainerCallback
+
+    losses = []
+
+    class Record(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                losses.append(logs["loss"])
+
+    examples = datasets.Dataset.from_list([dict(e, labels=[-100] + e["input_ids"][1:]) for e in _examples(name)])
+    # TRL's defaults but for the CPU (fp32, as the tests run) and max_length, which padding_free without
+    # packing refuses to enforce
+    args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=3, max_steps=3, learning_rate=1e-3,
+                         logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+                         padding_free=padding_free, max_length=None, bf16=False, gradient_checkpointing=True)
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=examples, processing_class=_word_tokenizer(),
+                             callbacks=[Record()])
+    trainer.train()
+    return losses
+
+
+@pytest.mark.parametrize("name", [n for n in FAMILIES if not SPECS[n].vision])
+def test_trl_sft_trainer_padding_free_equals_padded(name, tmp_path):
+    """TRL's SFTTrainer with padding_free=True (its collator flattens each batch into one row with position
+    ids) on a patched model: the per-step losses of the unpatched SFTTrainer on padded batches. The examples
+    carry labels that mask each sequence's first token, as TRL's padding-free collator does: without them
+    the padded run counts those tokens in the loss's denominator on some releases (5.0: 15 where 12 tokens
+    are predicted)."""
+    want = run_upstream(lambda: _sft_losses(tiny_model(name), name, False, tmp_path / "padded"))
+    model = tiny_model(name)
+    tfcompat.patch(model)
+    got = _sft_losses(model, name, True, tmp_path / "packed")
     assert len(want) == 3 and got == pytest.approx(want, rel=1e-4, abs=1e-4)
 
 

@@ -24,6 +24,9 @@ def test_readme_example_runs_as_written(index):
         pytest.skip("not in this release")
     if "transformers.Trainer" in BLOCKS[index]:
         pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (the tox envs install it)")
+    if "import tfcompat, torch, trl" in BLOCKS[index]:
+        pytest.importorskip("trl", reason="TRL 1.x: the tox envs of transformers >= 4.56.2 install it")
+        pytest.importorskip("peft")
     exec(compile(BLOCKS[index], f"README.md block {index}", "exec"), {})
 
 
