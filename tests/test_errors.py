@@ -52,7 +52,7 @@ def test_q_that_does_not_fit_cos(name):
     config, cos, sin, q, k = _cos(name, seq=5)
     with pytest.raises(RopeShapeError, match="q has shape"):
         apply_rope(q[:, :, :4], k, cos, sin, config=config)
-    with pytest.raises(RopeShapeError, match="must be 4-D"):
+    with pytest.raises(RopeShapeError, match="does not broadcast to q"):
         apply_rope(q[0], k, cos, sin, config=config)
 
 

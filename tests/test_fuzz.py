@@ -6,6 +6,7 @@ and packed model calls, whose only allowed outcomes are "equals the oracle" and 
 """
 
 import collections
+import types
 
 import pytest
 import torch
@@ -63,13 +64,17 @@ def _bad_cases():
                                                                config=config), "share memory"),
         ("rope: leaf requiring grad in place", lambda: apply_rope_(q.clone().requires_grad_(True), k.clone(), cos, sin,
                                                                    config=config), "leaf tensor that requires grad"),
-        ("rope: 3-D q", lambda: apply_rope(q[0], k, cos, sin, config=config), "must be 4-D"),
+        ("rope: 3-D q that batched cos would grow", lambda: apply_rope(q[0], k, cos, sin, config=config),
+         "does not broadcast to q"),
+        ("rope: other call shape in place", lambda: apply_rope_(q[0, :, :1].transpose(0, 1).clone(),
+                                                                k[0, :, :1].transpose(0, 1).clone(), cos[0, :1],
+                                                                sin[0, :1], config=config), "in place takes"),
         ("rope: cos/sin differ", lambda: apply_rope(q, k, cos, sin[..., :-2], config=config), "differ"),
         ("rope: wrong seq", lambda: apply_rope(q[:, :, :3], k, cos, sin, config=config), "but cos has batch"),
         ("rope: cos wider than head_dim", lambda: apply_rope(q[..., :8], k[..., :8], cos, sin, config=config),
          "at most"),
         ("rope: unsqueeze_dim 3", lambda: apply_rope(q, k, cos, sin, config=config, unsqueeze_dim=3),
-         "unsqueeze_dim must be 1 or 2"),
+         "does not broadcast to q"),
         ("rope: unknown family", lambda: apply_rope(q, k, cos, sin, model_type="gpt2"), "does not cover model_type"),
         ("rope: unknown impl", lambda: apply_rope(q, k, cos, sin, config=config, impl="fastest"), "is not one of"),
         ("rope: not a tensor", lambda: apply_rope([1.0], k, cos, sin, config=config), "must be a torch.Tensor"),
@@ -78,6 +83,14 @@ def _bad_cases():
                                                       mrope_section="abc"), "mrope_section"),
         # pack / unpack / packed
         ("pack: shapes differ", lambda: pack(ids, mask[:, :2]), "must have the same shape"),
+        ("pack: empty batch", lambda: pack(ids[:0], mask[:0]), "an empty batch"),
+        # config
+        ("config: a dict", lambda: rope_parameters(config.to_dict()), "got a dict"),
+        ("config: a namespace without hidden_size", lambda: rope_parameters(types.SimpleNamespace(
+            model_type=NAME, rope_theta=1e4, num_attention_heads=4)), "no head_dim and no hidden_size"),
+        ("config: rope_theta not a number", _bad_theta, "is not a number"),
+        # embeds
+        ("embeds: a list grid", _list_grid, "integer tensor"),
         ("pack: mask with a hole", lambda: pack(ids, torch.tensor([[1, 0, 1], [1, 1, 0]])), "has a hole"),
         ("pack: empty row", lambda: pack(ids, torch.tensor([[1, 1, 1], [0, 0, 0]])), "has no real token"),
         ("pack: mask of 2s", lambda: pack(ids, mask * 2), "only 0 and 1"),
@@ -149,12 +162,37 @@ def _bad_cases():
          "without restarting at 0"),
         ("model: 5-row ids", lambda: _model_call(position_ids=torch.zeros(5, 1, 8, dtype=torch.long)),
          "position_ids of shape"),
+        ("model: 4-row ids without the batch dim", lambda: _model_call(position_ids=torch.zeros(4, 8, dtype=torch.long)),
+         "lacks the batch dimension"),
         ("model: 3-row ids of a packed VL row", lambda: _vl_three_rows(), "3-row mRoPE ids cannot mark"),
         ("patch: not a model", lambda: tfcompat.patch(torch.nn.Linear(2, 2)), "cannot tell the model family"),
         ("patch: a family name", lambda: tfcompat.patch(NAME), "patches a loaded model instance"),
         ("patch: a config", lambda: tfcompat.patch(tiny_model(NAME).config), "not a config"),
     ]
     return cases
+
+
+def _bad_theta():
+    from tfcompat.config import text_config
+    from tfcompat.testing import tiny_config
+
+    config = tiny_config(NAME)
+    tc = text_config(config)
+    rope = tc.__dict__.get("rope_parameters") or tc.__dict__.get("rope_scaling")
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        rope["rope_theta"] = "ten thousand"
+    else:
+        tc.rope_theta = "ten thousand"
+    return rope_parameters(config)
+
+
+def _list_grid():
+    from tfcompat.embeds import get_input_embeds
+
+    pixels = tiny_pixels(1)
+    ids = torch.tensor([tiny_sequence(VL, text=3, image=True)])
+    return get_input_embeds(tiny_model(VL), ids, pixel_values=pixels["pixel_values"],
+                            image_grid_thw=pixels["image_grid_thw"].tolist())
 
 
 def _model_call(position_ids=None, mask_hole=False, batch2=False, **kw):

@@ -351,3 +351,26 @@ def test_double_backward_equals_upstream(name):
         got = second_order(lambda a, b, impl=impl: apply_rope(a, b, cos, sin, config=config, impl=impl))
         for w, h in zip(want, got):
             torch.testing.assert_close(h, w, rtol=1e-4, atol=1e-4, msg=lambda m, impl=impl: f"{name} {impl}: {m}")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_other_call_shapes_of_upstreams_function(name):
+    """Call shapes upstream's function takes beyond the 4-D layouts: Qwen4-Exp's indexer rotates (n, 1, d) keys
+    with the (n, d) cos of one row; (seq, heads, d) with cos (seq, d) and unsqueeze_dim=1. Equal to upstream,
+    forward and backward; shapes that cos would broadcast into something else are refused."""
+    from tfcompat.errors import RopeShapeError
+
+    config, cos, sin, q, k, g = _inputs(name, 1, 6, torch.float32, 1, seed=5)
+    oracle = upstream_rope(name, config)
+    one_row = (cos[:, 0], sin[:, 0]) if cos.dim() == 4 else (cos[0], sin[0])  # (3, n, d) or (n, d)
+    keys = torch.randn(6, 1, q.shape[-1], generator=g)
+    for a, b in ((keys, keys.flip(0)), (q[0].transpose(0, 1), k[0].transpose(0, 1))):  # (n, 1, d), (seq, heads, d)
+        want = _grads(lambda x, y: oracle(x, y, *one_row), a, b, torch.ones_like(a), torch.ones_like(b))
+        got = _grads(lambda x, y: apply_rope(x, y, *one_row, config=config), a, b, torch.ones_like(a),
+                     torch.ones_like(b))
+        for w, h in zip(want, got):
+            torch.testing.assert_close(h, w, rtol=0, atol=0)
+    with pytest.raises(RopeShapeError, match="does not broadcast to q"):
+        apply_rope(q[0], k, cos, sin, config=config)  # (heads, seq, d) with batched cos: upstream adds a dim
+    with pytest.raises(RopeShapeError, match="in place takes"):
+        apply_rope_(keys.clone(), keys.clone(), *one_row, config=config)

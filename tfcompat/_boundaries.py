@@ -162,6 +162,21 @@ def slice_whole_row(module, state, a, explicit, group):
     return a
 
 
+def check_position_shape(family, position_ids, batch, local):
+    """Position ids as upstream's rotary module reads them: (batch or 1, seq), or (3 or 4, batch or 1, seq)."""
+    if position_ids is None or not hasattr(position_ids, "dim"):
+        return
+    shape = tuple(position_ids.shape)
+    ok = (len(shape) == 2 and shape[0] in (1, batch)) or (len(shape) == 3 and shape[0] in (3, 4) and
+                                                         shape[1] in (1, batch))
+    if not ok or shape[-1] != local or position_ids.dtype.is_floating_point:
+        raise PackingError(
+            f"tfcompat {family}: position_ids of shape {shape} ({position_ids.dtype}) for an input of batch {batch} "
+            f"and {local} tokens; expected integer ids of shape ({batch}, {local}), or (3, {batch}, {local}) / "
+            f"(4, {batch}, {local}) for mRoPE (text row first in 4-row ids); a (4, {local}) tensor lacks the batch "
+            f"dimension: position_ids[:, None]")
+
+
 def text_row(position_ids):
     """The (batch, seq) text positions of 2-D or 4-row ids; None for 3-row mRoPE ids or none."""
     if position_ids is None or not hasattr(position_ids, "dim"):

@@ -8,7 +8,7 @@ release; nothing here imports transformers.
 import dataclasses
 from typing import Optional, Union
 
-from .errors import UnsupportedTransformersError
+from .errors import ModelError, UnsupportedTransformersError
 
 PROBE_ONLY = "probe-only"
 
@@ -247,6 +247,11 @@ def family(name_or_config):
     # getattr, not isinstance(config, str): torch.compile before 2.8 cannot trace isinstance on a config
     name = getattr(name_or_config, "model_type", name_or_config)
     if not isinstance(name, str):
+        if isinstance(name_or_config, dict):
+            raise ModelError(
+                f"tfcompat: got a dict (config.json's contents, model_type {name_or_config.get('model_type')!r}); "
+                f"transformers' rotary modules and attention read a config object, and so does tfcompat: pass "
+                f"transformers.AutoConfig.for_model(**config_dict) (or the model's .config)")
         raise UnsupportedTransformersError(
             f"tfcompat: cannot tell the model family of {type(name_or_config).__name__}: it has no "
             f"model_type; pass model_type= (one of {', '.join(sorted(FAMILIES))})"

@@ -214,6 +214,7 @@ def _text_model_forward(self, *args, **kwargs):
     ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
     if ref is None:
         return _original(self, state, *args, **kwargs)
+    _boundaries.check_position_shape(state.family, a.get("position_ids"), ref.shape[0], ref.shape[1])
     if group is not None and state.slice_inputs:
         a = _boundaries.slice_whole_row(self, state, a, explicit, group)
         ref = a["inputs_embeds"]

@@ -130,7 +130,19 @@ def rope_parameters(config: Any, *, model_type: Optional[str] = None) -> RopePar
             f"pass a config built by transformers"
         )
 
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    try:
+        theta = float(theta)
+    except (TypeError, ValueError):
+        raise ConfigError(f"rope_parameters({type(config).__name__}): rope_theta {theta!r} is not a number; "
+                          f"upstream's rotary module computes inv_freq from it; fix the config's rope_theta") from None
+    head_dim = getattr(cfg, "head_dim", None)
+    if not head_dim:
+        missing = [k for k in ("hidden_size", "num_attention_heads") if getattr(cfg, k, None) is None]
+        if missing:
+            raise ConfigError(f"rope_parameters({type(config).__name__}): no head_dim and no {' / '.join(missing)}; "
+                              f"upstream's rotary module reads head_dim, or hidden_size // num_attention_heads; "
+                              f"pass a config built by transformers (AutoConfig.from_pretrained / for_model)")
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
     partial = 1.0
     if init.reads_partial_rotary:
         partial = raw.get("partial_rotary_factor", None)
@@ -160,7 +172,7 @@ def rope_parameters(config: Any, *, model_type: Optional[str] = None) -> RopePar
     return RopeParameters(
         model_type=fam.text_family or fam.name,  # the decoder these parameters describe
         rope_type=rope_type,
-        rope_theta=float(theta),
+        rope_theta=theta,
         head_dim=int(head_dim),
         rotary_dim=rotary_dim,
         partial_rotary_factor=partial,

@@ -266,6 +266,8 @@ def get_input_embeds(model: torch.nn.Module, input_ids: torch.Tensor, *, pixel_v
         match the pixels.
     """
 
+    import torch
+
     fam = _served(model, "get_input_embeds")
     owner = _vl_model(model)
     get_embeddings: Any = model.get_input_embeddings  # a PreTrainedModel method; nn.Module does not declare it
@@ -281,6 +283,13 @@ def get_input_embeds(model: torch.nn.Module, input_ids: torch.Tensor, *, pixel_v
             continue
         if grid is None:
             raise EmbedsError(f"get_input_embeds: {kind} pixels given without {kind}_grid_thw")
+        if not isinstance(grid, torch.Tensor) or grid.dim() != 2 or grid.shape[-1] != 3 or \
+                grid.dtype.is_floating_point:
+            found = f"a {type(grid).__name__}" if not isinstance(grid, torch.Tensor) else \
+                f"a {grid.dtype} tensor of shape {tuple(grid.shape)}"
+            raise EmbedsError(f"get_input_embeds: {kind}_grid_thw is {found}; the vision tower takes a (num_{kind}s, 3) "
+                              f"integer tensor (T, H, W patches per {kind}), as the processor returns it: "
+                              f"torch.tensor(grid)")
         patches = int(grid.prod(dim=-1).sum())
         if patches != pixels.shape[0]:
             raise EmbedsError(f"get_input_embeds: {kind}_grid_thw describes {patches} patches ({grid.tolist()}) "

@@ -122,6 +122,9 @@ def _check_pack(input_ids, attention_mask, position_ids, vision):
                            f"must have the same shape")
     if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
         raise PackingError("pack: attention_mask must hold only 0 and 1 (1 for real tokens)")
+    if input_ids.shape[0] == 0:
+        raise PackingError(f"pack: an empty batch (input_ids of shape {tuple(input_ids.shape)}); there is nothing to "
+                           f"pack; skip the step, or pack at least one row with a real token")
     mask = attention_mask.bool()
     lengths = mask.sum(dim=1)
     if bool((lengths == 0).any()):

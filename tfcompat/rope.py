@@ -111,13 +111,9 @@ def _check(fam, res, q, k, cos, sin, unsqueeze_dim):
             raise RopeShapeError(f"apply_rope for {fam.name}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if cos.shape != sin.shape:
         raise RopeShapeError(f"apply_rope for {fam.name}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ")
-    if q.dim() != 4 or k.dim() != 4:
-        raise RopeShapeError(
-            f"apply_rope for {fam.name}: q {tuple(q.shape)} and k {tuple(k.shape)} must be 4-D "
-            f"(batch, heads, seq, head_dim) or (batch, seq, heads, head_dim) with unsqueeze_dim=2"
-        )
-    if unsqueeze_dim not in (1, 2):
-        raise RopeShapeError(f"apply_rope: unsqueeze_dim must be 1 or 2, got {unsqueeze_dim}")
+    if q.dim() != 4 or k.dim() != 4 or unsqueeze_dim not in (1, 2):
+        _check_broadcast(fam, res, q, k, cos, sin, unsqueeze_dim)
+        return None  # another call shape of upstream's function (a 3-D indexer key): upstream's own formula
     want = 4 if plan.cos_rows == 3 else 3
     if cos.dim() != want or (want == 4 and cos.shape[0] != 3):
         expected = "(3, batch, seq, dim)" if want == 4 else "(batch, seq, dim)"
@@ -150,6 +146,42 @@ def _check(fam, res, q, k, cos, sin, unsqueeze_dim):
                 f"{t.shape[-1]}"
             )
     return seq_dim
+
+
+def _check_broadcast(fam, res, q, k, cos, sin, unsqueeze_dim):
+    """A call shape outside the kernels' 4-D layouts that upstream's function takes (Qwen4-Exp's indexer rotates
+    3-D keys with 2-D cos): cos.unsqueeze(unsqueeze_dim) must broadcast to q and k without changing their
+    shapes, as upstream's formula then returns tensors of q's and k's shapes."""
+    import torch
+
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        if not t.dtype.is_floating_point or t.device != q.device:
+            raise RopeShapeError(f"apply_rope for {fam.name}: {name} is {t.dtype} on {t.device}; q, k, cos and sin "
+                                 f"must be floating point on q's device ({q.device})")
+    rows = 1 if res.plan.cos_rows == 3 else 0  # 3-row mRoPE cos: upstream folds the first dim by the sections
+    if rows and (cos.dim() < 2 or cos.shape[0] != 3):
+        raise RopeShapeError(f"apply_rope for {fam.name}: cos has shape {tuple(cos.shape)} but transformers "
+                             f"{res.transformers} returns 3-row cos (3, ..., dim) for this model")
+    width = cos.shape[-1]
+    folded = tuple(cos.shape[rows:])
+    try:
+        unsqueezed = torch.empty(folded, device="meta").unsqueeze(unsqueeze_dim).shape
+    except (IndexError, RuntimeError):
+        raise RopeShapeError(f"apply_rope for {fam.name}: unsqueeze_dim={unsqueeze_dim} does not fit cos of "
+                             f"shape {tuple(cos.shape)}") from None
+    for name, t in (("q", q), ("k", k)):
+        rotated = tuple(t.shape[:-1]) + (width,)
+        try:
+            fits = torch.broadcast_shapes(rotated, unsqueezed) == torch.Size(rotated)
+        except RuntimeError:
+            fits = False
+        if not fits or width % 2 or width > t.shape[-1]:
+            raise RopeShapeError(
+                f"apply_rope for {fam.name}: cos {tuple(cos.shape)} unsqueezed at {unsqueeze_dim} gives "
+                f"{tuple(unsqueezed)}, which does not broadcast to {name} {tuple(t.shape)} (the rotated part "
+                f"{rotated}) without changing its shape; pass q and k as (batch, heads, seq, head_dim) "
+                f"(unsqueeze_dim=1) or (batch, seq, heads, head_dim) (unsqueeze_dim=2), or another shape whose "
+                f"leading dims cos broadcasts to, as upstream's function reads them")
 
 
 def _prepare(q, k, cos, sin, config, model_type, mrope_section, unsqueeze_dim):
@@ -246,7 +278,10 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     """Rotate q and k as the installed transformers' attention for this model does.
 
     Args:
-        q, k: (batch, heads, seq, head_dim), or (batch, seq, heads, head_dim) with ``unsqueeze_dim=2``.
+        q, k: (batch, heads, seq, head_dim), or (batch, seq, heads, head_dim) with ``unsqueeze_dim=2``;
+            any other shape that upstream's function takes (cos unsqueezed at ``unsqueeze_dim`` broadcasts to
+            it without changing it, e.g. Qwen4-Exp's indexer keys (n, 1, d) with cos (n, d)) runs upstream's
+            own formula.
         cos, sin: exactly what the model's text rotary embedding returned on this release.
         config: the model's config (top-level or text); or give ``model_type``.
         model_type: a family name such as ``"glm4v"`` or ``"qwen2_5_vl"``.
@@ -265,7 +300,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     fam, res, seq_dim = _prepare(q, k, cos, sin, config, model_type, mrope_section, unsqueeze_dim)
     section = _section(fam, config, mrope_section, res.plan, cos) if res.plan.cos_rows == 3 else None
     chosen = _impl(impl)
-    if chosen == "upstream":
+    if chosen == "upstream" or seq_dim is None:
         return _upstream(res, q, k, cos, sin, section, unsqueeze_dim)
     return _rotate(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace=False, impl=chosen)
 
@@ -330,6 +365,10 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     fam, res, seq_dim = _prepare(q, k, cos, sin, config, model_type, mrope_section, unsqueeze_dim)
     section = _section(fam, config, mrope_section, res.plan, cos) if res.plan.cos_rows == 3 else None
 
+    if seq_dim is None:
+        raise RopeShapeError(f"apply_rope_ for {fam.name}: q {tuple(q.shape)} and k {tuple(k.shape)} with "
+                             f"unsqueeze_dim={unsqueeze_dim}: in place takes (batch, heads, seq, head_dim) or "
+                             f"(batch, seq, heads, head_dim) (unsqueeze_dim=2); use apply_rope for other shapes")
     if q is k or _share_elements(q, k):
         raise RopeShapeError(f"apply_rope_ for {fam.name}: q and k share memory, so rotating one in place would "
                              f"rotate the other twice; pass separate tensors, or use apply_rope")
