@@ -181,3 +181,17 @@ def test_report_imports_neither_transformers_nor_torch():
     heavy = out.stdout.rsplit("HEAVY", 1)[1].strip()
     torch_needed = _backends.installed("triton") or _backends.installed("flash_attn")
     assert heavy == ("['torch']" if torch_needed else "[]"), heavy
+
+
+def test_report_output_to_a_folder_or_an_unwritable_path(tmp_path, capsys):
+    """`--output` names a file: a folder, or a path that cannot be written, gets one line and exit 2."""
+    from tfcompat._cli import main
+
+    assert main(["report", "--output", str(tmp_path)]) == 2
+    assert "is a directory; pass a file path, e.g." in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["report", "--output", str(blocker / "report.json")]) == 2
+    assert "cannot write --output" in capsys.readouterr().err
+    assert main(["report", "--output", str(tmp_path / "new" / "report.json")]) in (0, None)
+    assert json.loads((tmp_path / "new" / "report.json").read_text())["resolutions"]

@@ -53,9 +53,18 @@ def _report(args):
     except Exception as exc:  # the report must still print what it knows
         doc["error"] = f"{type(exc).__name__}: {exc}"
     if args.output:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        with open(args.output, "w") as fh:
-            json.dump(doc, fh, indent=2, sort_keys=True)
+        if os.path.isdir(args.output):
+            print(f"tfcompat report: --output {args.output} is a directory; pass a file path, e.g. "
+                  f"{os.path.join(args.output, 'tfcompat-report.json')}", file=sys.stderr)
+            return 2
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+            with open(args.output, "w") as fh:
+                json.dump(doc, fh, indent=2, sort_keys=True)
+        except OSError as exc:
+            print(f"tfcompat report: cannot write --output {args.output}: {exc.strerror or exc}; pass a path in a "
+                  f"writable folder", file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
     else:

@@ -364,8 +364,10 @@ def _layer_forward(self, *args, **kwargs):
         if scope is not None and scope[0] == "step":
             raise TfcompatError(
                 f"tfcompat {state.family}: {type(self).__name__} did not receive the position embeddings of this "
-                f"packed step, so it cannot tell where sequences begin; this transformers release passes them "
-                f"differently; please report it (tfcompat {_resolve._version.transformers_version()})")
+                f"packed step, so it cannot tell where sequences begin; a wrapper around the decoder layer that "
+                f"drops keyword arguments would do this (wrap the layers with torch's checkpoint_wrapper or "
+                f"tfcompat.enable_checkpointing); if nothing wraps it, this transformers release passes them "
+                f"differently: please report it (transformers {_resolve._version.transformers_version()})")
         return _original(self, state, *args, **kwargs)
     if getattr(state, "linear_child", False):
         args, kwargs = _with_step_mask(self, step, args, kwargs)
@@ -540,6 +542,20 @@ def _uninstall(module):
         module.__dict__.pop("forward", None)
 
 
+def _is_wrapper(module):
+    """torch's activation-checkpoint / offload wrappers (``checkpoint_wrapper``): they replay their module's call."""
+    return hasattr(module, "_checkpoint_wrapped_module")
+
+
+def _unwrapped_children(module):
+    """The children of ``module``, each seen through the checkpoint wrappers around it (a wrapper applied to the
+    mixers before patch(): the decoder layer still holds the mixer)."""
+    for child in module.children():
+        while _is_wrapper(child):
+            child = child._checkpoint_wrapped_module
+        yield child
+
+
 def _patched_as(module):
     state = module.__dict__.get(_ATTR)
     fwd = module.__dict__.get("forward")
@@ -613,7 +629,8 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
         # the decoder layer is the module that holds a token mixer as a child, whatever wraps it
         # (activation-checkpoint or FSDP wrappers sit above it and replay its call)
         mixer_ids = {id(m) for m, _ in mixers}
-        targets += [(m, "layer") for m in model.modules() if any(id(c) in mixer_ids for c in m.children())]
+        targets += [(m, "layer") for m in model.modules()
+                    if not _is_wrapper(m) and any(id(c) in mixer_ids for c in _unwrapped_children(m))]
         targets += mixers
     if fam.vision:
         owners = [m for m in model.modules() if "visual" in m._modules and hasattr(m, "get_input_embeddings")]

@@ -287,9 +287,9 @@ def get_input_embeds(model: torch.nn.Module, input_ids: torch.Tensor, *, pixel_v
                 grid.dtype.is_floating_point:
             found = f"a {type(grid).__name__}" if not isinstance(grid, torch.Tensor) else \
                 f"a {grid.dtype} tensor of shape {tuple(grid.shape)}"
-            raise EmbedsError(f"get_input_embeds: {kind}_grid_thw is {found}; the vision tower takes a (num_{kind}s, 3) "
-                              f"integer tensor (T, H, W patches per {kind}), as the processor returns it: "
-                              f"torch.tensor(grid)")
+            raise EmbedsError(f"get_input_embeds: {kind}_grid_thw is {found}; the vision tower takes a "
+                              f"(num_{kind}s, 3) integer tensor (T, H, W patches per {kind}), as the processor "
+                              f"returns it: torch.tensor(grid)")
         patches = int(grid.prod(dim=-1).sum())
         if patches != pixels.shape[0]:
             raise EmbedsError(f"get_input_embeds: {kind}_grid_thw describes {patches} patches ({grid.tolist()}) "
