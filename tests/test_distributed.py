@@ -110,6 +110,21 @@ def _unequal_lengths_worker(rank, world):
         model(input_ids=torch.arange(10, 14).view(2, 2), position_ids=torch.arange(2).repeat(2, 1))
 
 
+def _raw_all_to_all_worker(rank, world):
+    """The public all-to-alls check shapes on every rank first: unequal slices and a row that does not split
+    raise UlyssesError on every rank (before, a gloo abort of the peer); equal slices round-trip exactly."""
+    from tfcompat.ulysses import gather_heads_scatter_seq, gather_seq_scatter_heads
+
+    with pytest.raises(UlyssesError, match=r"the ranks hold tensors of shapes \[\(3, 4, 8\), \(4, 4, 8\)\]"):
+        gather_seq_scatter_heads(torch.randn(3 + rank, 4, 8))
+    with pytest.raises(UlyssesError, match="5 tokens .* do not divide over a group of 2"):
+        gather_heads_scatter_seq(torch.randn(5, 2, 8))
+    with pytest.raises(UlyssesError, match="3 heads do not divide"):
+        gather_seq_scatter_heads(torch.randn(4, 3, 8))
+    x = torch.randn(4, 4, 8, generator=torch.Generator().manual_seed(rank))
+    assert torch.equal(gather_heads_scatter_seq(gather_seq_scatter_heads(x)), x)
+
+
 def _linear_refused_worker(rank, world, name):
     with pytest.raises(UlyssesError, match="linear-attention"):
         tfcompat.patch(tiny_model(name), ulysses_group=dist.group.WORLD)
@@ -193,6 +208,7 @@ def _cases(rank, world):
         cases.append((f"whole_row:{name}", functools.partial(_whole_row_worker, rank, world, name)))
     cases.append(("bad_heads", functools.partial(_bad_heads_worker, rank, world)))
     cases.append(("unequal_lengths", functools.partial(_unequal_lengths_worker, rank, world)))
+    cases.append(("raw_all_to_all", functools.partial(_raw_all_to_all_worker, rank, world)))
     for name in [n for n in HAVE if linear_attention(n)]:
         if name in HAVE:
             cases.append((f"linear_refused:{name}", functools.partial(_linear_refused_worker, rank, world, name)))
@@ -228,6 +244,10 @@ def test_ulysses_refuses_heads_that_do_not_divide(outcomes):
 
 def test_ulysses_unequal_local_lengths_raise_on_every_rank(outcomes):
     assert_ok(outcomes, "unequal_lengths")
+
+
+def test_raw_all_to_alls_check_shapes_on_every_rank(outcomes):
+    assert_ok(outcomes, "raw_all_to_all")
 
 
 @pytest.mark.parametrize("name", [n for n in HAVE if linear_attention(n)])

@@ -465,11 +465,12 @@ def _attention_forward(self, *args, **kwargs):
     q, k = rotate(q, k, cos, sin, state.family, state.section)
     q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0]
     if group is not None:
-        from .ulysses import gather_heads_scatter_seq, gather_seq_scatter_heads, repeat_kv_for_group
+        from .ulysses import repeat_kv_for_group, to_heads, to_sequence
 
-        q = gather_seq_scatter_heads(q, group)
-        k = gather_seq_scatter_heads(repeat_kv_for_group(k, state.world), group)
-        v = gather_seq_scatter_heads(repeat_kv_for_group(v, state.world), group)
+        # the step checked every rank's slice once (equal lengths); no check (host sync) per layer
+        q = to_heads(q, group)
+        k = to_heads(repeat_kv_for_group(k, state.world), group)
+        v = to_heads(repeat_kv_for_group(v, state.world), group)
     if step.total != q.shape[0]:
         raise PackingError(f"tfcompat attention: boundaries cover {step.total} tokens but the layer sees "
                            f"{q.shape[0]}; pass boundaries of the whole (gathered) packed row")
@@ -478,7 +479,7 @@ def _attention_forward(self, *args, **kwargs):
     out = _varlen(q, k, v, step.cu, step.bounds, step.max_len, causal=True, softmax_scale=scale,
                   window=_window(self), dropout_p=dropout)
     if group is not None:
-        out = gather_heads_scatter_seq(out, group)
+        out = to_sequence(out, group)
     out = out.reshape(1, s, -1)
     if gate is not None:
         out = out * torch.sigmoid(gate)

@@ -71,13 +71,55 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None
 
 
+def _check_shapes(x, group, to_heads):
+    """Every rank's tensor has the same shape, which the all-to-all can split (one small collective: the
+    public functions check; the patched attention, whose step checked its slices once, calls the
+    unchecked all-to-all). Raises on every rank alike, so no peer is left waiting in the all-to-all."""
+    name = "gather_seq_scatter_heads" if to_heads else "gather_heads_scatter_seq"
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise UlyssesError(f"tfcompat.ulysses.{name}: expected a (tokens, heads, head_dim) tensor, got "
+                           f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    p = _size(group)
+    mine = torch.tensor(list(x.shape), dtype=torch.int64, device=x.device)
+    seen = [torch.zeros_like(mine) for _ in range(p)]
+    dist.all_gather(seen, mine, group=group)
+    shapes = [tuple(int(v) for v in t) for t in seen]
+    if len(set(shapes)) != 1:
+        raise UlyssesError(f"tfcompat.ulysses.{name}: the ranks hold tensors of shapes {shapes}; every rank must "
+                           f"hold the same shape (an equal slice of the row: tfcompat.ulysses.slice_for_rank pads "
+                           f"the row to a multiple of the group size)")
+    split = x.shape[1] if to_heads else x.shape[0]
+    if split % p:
+        what = "heads" if to_heads else "tokens (the gathered row)"
+        raise UlyssesError(f"tfcompat.ulysses.{name}: {split} {what} do not divide over a group of {p} ranks; "
+                           + ("repeat the kv heads (repeat_kv_for_group) or choose a group size that divides them"
+                              if to_heads else "pass the output of gather_seq_scatter_heads (P x the local tokens)"))
+
+
 def gather_seq_scatter_heads(x: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """(s_local, heads, d) on each rank -> (s_local * P, heads / P, d)."""
+    """(s_local, heads, d) on each rank -> (s_local * P, heads / P, d).
+
+    Checks that every rank holds the same shape first (one small collective) and raises
+    :class:`UlyssesError` on every rank otherwise."""
+    _check_shapes(x, group, True)
     return _AllToAll.apply(x, group, True)
 
 
 def gather_heads_scatter_seq(x: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """(s_local * P, heads / P, d) -> (s_local, heads, d); the inverse of :func:`gather_seq_scatter_heads`."""
+    """(s_local * P, heads / P, d) -> (s_local, heads, d); the inverse of :func:`gather_seq_scatter_heads`
+    (checked the same way)."""
+    _check_shapes(x, group, False)
+    return _AllToAll.apply(x, group, False)
+
+
+def to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """:func:`gather_seq_scatter_heads` without the shape check: for a caller that checked its slices once
+    per step (the patched attention; a check per layer would be a host sync per layer)."""
+    return _AllToAll.apply(x, group, True)
+
+
+def to_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """:func:`gather_heads_scatter_seq` without the shape check (see :func:`to_heads`)."""
     return _AllToAll.apply(x, group, False)
 
 
