@@ -126,15 +126,24 @@ def test_impl_env_variable(monkeypatch):
 
 
 @pytest.mark.parametrize("impl", rope_impls())
-def test_cos_requiring_grad_falls_back_to_autograd(impl):
-    name = FAMILIES[-1]
-    config, cos, sin, q, k, _ = _inputs(name, 1, 6, torch.float32, 1, seed=2)
-    cos = cos.clone().requires_grad_(True)
-    oq, ok = apply_rope(q, k, cos, sin, config=config, impl=impl)
-    (oq.sum() + ok.sum()).backward()
-    want_q, _ = upstream_rope(name, config)(q, k, cos.detach(), sin)
-    torch.testing.assert_close(oq.detach(), want_q, **TOL[torch.float32])
-    assert cos.grad is not None and cos.grad.abs().sum() > 0
+@pytest.mark.parametrize("name", FAMILIES)
+def test_cos_and_sin_gradients_equal_upstreams(name, impl):
+    """cos/sin that require grad (a learned or scaled rotary): their gradients equal upstream's element by
+    element, not only in sum (the MLA families' cos holds cat(freqs, freqs): which half gets the gradient is
+    the release's formula)."""
+    config, cos, sin, q, k, _ = _inputs(name, 2, 6, torch.float32, 1, seed=2)
+    weights = torch.linspace(-1, 1, q.numel()).view_as(q)
+
+    def grads(fn):
+        c, s = cos.clone().requires_grad_(True), sin.clone().requires_grad_(True)
+        oq, ok = fn(q, k, c, s)
+        ((oq * weights).sum() + (ok ** 2).sum()).backward()
+        return oq.detach(), c.grad, s.grad
+
+    want = grads(upstream_rope(name, config))
+    got = grads(lambda a, b, c, s: apply_rope(a, b, c, s, config=config, impl=impl))
+    for w, h, what in zip(want, got, ("q", "cos grad", "sin grad")):
+        torch.testing.assert_close(h, w, rtol=1e-5, atol=1e-5, msg=lambda m, what=what: f"{name} {impl} {what}: {m}")
 
 
 @pytest.mark.parametrize("impl", rope_impls())

@@ -233,6 +233,10 @@ def _rotate(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace, 
     if impl == "auto":
         impl = impl_for(q.device)
     grad_trig = cos.requires_grad or sin.requires_grad
+    if grad_trig and rotation == "deinterleave":
+        # cos/sin hold cat(freqs, freqs); which half their gradient lands in is the release's formula (5.24
+        # reads the first half only, earlier releases both): upstream's own function, so it lands the same
+        return _upstream(res, q, k, cos, sin, section, unsqueeze_dim)
     if impl == "triton":
         mod = _triton_for(fam, q)
         if not (_compiling() or grad_trig) and mod.fits(q, k, cos, seq_dim, section):
