@@ -159,23 +159,49 @@ def test_unsupported_model():
         tfcompat.patch(torch.nn.Linear(2, 2))
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen2_vl"])
-def test_sliding_window_layers(name):
-    """Qwen2 with every layer windowed (window 3): packed + window == upstream eager on the padded batch."""
-    if name not in FAMILIES:
-        pytest.skip("not in this release")
-    model = tiny_model(name, use_sliding_window=True, sliding_window=3, max_window_layers=0,
-                       attn_implementation="eager")
-    plain = tiny_model(name, attn_implementation="eager")
-    ids, mask = padded([tiny_sequence(name, text=9), tiny_sequence(name, text=6)])
-    with torch.no_grad():
-        ref = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        if torch.allclose(ref, plain(input_ids=ids, attention_mask=mask, use_cache=False).logits):
-            pytest.skip("this release ignores the sliding window of this model")
-        pk = pack(ids, mask, vision=SPECS[name].vision)
-        tfcompat.patch(model)
-        got = unpack(model(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False).logits, pk)
-    close_to_model(got[mask.bool()], ref[mask.bool()], f"{name} sliding window")
+WINDOW_FAMILIES = [n for n in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next", "qwen2_vl") if n in FAMILIES]
+# the settings testers and checkpoints use: the window on or off (4.51 windows every layer by sliding_window
+# even when off), max_window_layers splitting the stack, explicit layer_types
+WINDOW_CASES = {
+    "on, max_window_layers 1": dict(use_sliding_window=True, max_window_layers=1),
+    "on, max_window_layers 0": dict(use_sliding_window=True, max_window_layers=0),
+    "off": dict(use_sliding_window=False, max_window_layers=1),
+    "on, layer_types": dict(use_sliding_window=True, max_window_layers=1,
+                            layer_types=["full_attention", "sliding_attention", "full_attention"]),
+}
+
+
+@pytest.mark.parametrize("name", WINDOW_FAMILIES)
+@pytest.mark.parametrize("case", list(WINDOW_CASES))
+def test_sliding_window_as_upstream_decides_per_layer(name, case):
+    """Sliding-window configs (window 3, 3 layers, sequences of up to 9 tokens): packed == upstream on the padded
+    batch, logits and every gradient, whichever layers this release windows for these settings (PatchRecord
+    lists the probed window of each layer)."""
+    kw = dict(WINDOW_CASES[case], sliding_window=3, num_hidden_layers=3)
+    if linear_attention(name):
+        if "layer_types" in kw:
+            pytest.skip("a hybrid decoder's layer_types name its linear-attention layers")
+        kw["num_hidden_layers"] = 4  # the tiny hybrid pattern: linear, full, linear, full
+    try:
+        ref = tiny_model(name, **kw)
+    except (ValueError, TypeError) as exc:
+        pytest.skip(f"this release's config refuses these settings: {exc}")
+    rows = [tiny_sequence(name, text=9), tiny_sequence(name, text=6)]
+    ids, mask = padded(rows)
+    weights = torch.randn(*ids.shape, 256, generator=torch.Generator().manual_seed(4))
+    want = run_upstream(lambda: ref(input_ids=ids, attention_mask=mask, use_cache=False).logits)
+    (want * weights * mask[..., None]).sum().backward()
+    model = tiny_model(name, **kw)
+    record = tfcompat.patch(model)
+    assert len(record.windows) == record.attention_modules and record.windows_how
+    assert set(record.windows) <= {None, 3}, record.windows
+    pk = pack(ids, mask, vision=SPECS[name].vision)
+    got = unpack(model(input_ids=pk.input_ids, position_ids=pk.position_ids).logits, pk)
+    (got * weights * mask[..., None]).sum().backward()
+    valid = mask.bool()
+    close_to_model(got[valid].detach(), want[valid].detach(), f"{name} {case} {record.windows} logits")
+    for key, g, w in grads_by_name(param_grads(model), param_grads(ref), f"{name} {case}"):
+        close_to_model(g, w, f"{name} {case} {record.windows} grad {key}")
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen2_vl", "qwen3_5"])

@@ -169,10 +169,10 @@ def check_position_shape(family, position_ids, batch, local):
     shape = tuple(position_ids.shape)
     ok = (len(shape) == 2 and shape[0] in (1, batch)) or (len(shape) == 3 and shape[0] in (3, 4) and
                                                          shape[1] in (1, batch))
-    if not ok or shape[-1] != local or position_ids.dtype.is_floating_point:
+    if not ok or shape[-1] != local:  # float ids are fine: upstream's own get_rope_index returns them (omni)
         raise PackingError(
-            f"tfcompat {family}: position_ids of shape {shape} ({position_ids.dtype}) for an input of batch {batch} "
-            f"and {local} tokens; expected integer ids of shape ({batch}, {local}), or (3, {batch}, {local}) / "
+            f"tfcompat {family}: position_ids of shape {shape} for an input of batch {batch} "
+            f"and {local} tokens; expected ids of shape ({batch}, {local}), or (3, {batch}, {local}) / "
             f"(4, {batch}, {local}) for mRoPE (text row first in 4-row ids); a (4, {local}) tensor lacks the batch "
             f"dimension: position_ids[:, None]")
 

@@ -38,7 +38,6 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from . import _boundaries, _resolve
-from ._compat import transformers4
 from ._families import family as _family
 from .errors import ModelError, PackingError, TfcompatError, UlyssesError, UnsupportedTransformersError
 
@@ -67,6 +66,10 @@ class PatchRecord:
     remove_padding: bool
     ulysses_world_size: int
     resolutions: tuple
+    #: each patched attention layer's sliding window (None: every key), as upstream decides it for this model
+    #: (tfcompat._window: probed per layer), and how it was decided
+    windows: tuple = ()
+    windows_how: str = ""
 
 
 class _State:
@@ -79,6 +82,7 @@ class _State:
         self.slice_inputs = slice_inputs  # Ulysses: every rank passes the whole row; the text model slices it
         self.dummy_visual = dummy_visual
         self.section = None  # attention modules: mRoPE sections, read from the config once at patch time
+        self.window = None  # attention modules: the sliding window upstream uses on this layer (patch time)
         self.group, self.world, self.saved_forward = group, world, saved_forward
         self.group_lost = False
         self.linear_child = False  # decoder layers: holds a linear-attention mixer (gets a _StepMask)
@@ -477,7 +481,7 @@ def _attention_forward(self, *args, **kwargs):
     dropout = self.attention_dropout if self.training else 0.0
     scale = getattr(self, "scaling", None) or d ** -0.5
     out = _varlen(q, k, v, step.cu, step.bounds, step.max_len, causal=True, softmax_scale=scale,
-                  window=_window(self), dropout_p=dropout)
+                  window=state.window, dropout_p=dropout)
     if group is not None:
         out = to_sequence(out, group)
     out = out.reshape(1, s, -1)
@@ -490,13 +494,6 @@ def _attention_forward(self, *args, **kwargs):
 def _heads(module):
     config = module.config
     return getattr(module, "num_heads", None) or config.num_attention_heads
-
-
-def _window(module):
-    window = getattr(module, "sliding_window", None)
-    if window is None and "sliding_window" not in vars(module):  # no attribute: a 4.x module
-        window = transformers4.sliding_window(module)
-    return window
 
 
 # ------------------------------------------------------------------------ linear attention
@@ -646,6 +643,9 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
             st.group is ulysses_group and not st.group_lost and st.dummy_visual == dummy_visual and \
             st.slice_inputs == slice_inputs
 
+    from ._window import layer_windows
+
+    windows, windows_how = layer_windows(fam, text_config(config), [m for m, kind in targets if kind == "attention"])
     patched_below = [m for m in model.modules() if _patched_as(m) is not None]
     if not (targets and all(same(m, kind) for m, kind in targets) and len(patched_below) == len(targets)):
         for m in patched_below:
@@ -657,12 +657,15 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
                 state.linear_child = any(isinstance(c, linear_cls) for c in m.modules())
             if kind == "attention" and resolutions[1].plan.cos_rows == 3:
                 state.section = rope_parameters(m.config, model_type=fam.name).mrope_section
+            if kind == "attention":
+                state.window = windows[id(m)]
             _install(m, kind, state)
     if not any(kind in ("text", "attention", "linear") for _, kind in targets) and not dummy_visual:
         targets = []  # remove_padding=False, no group, no dummy forward: nothing to do
     n_attn = sum(kind == "attention" for _, kind in targets)
     n_lin = sum(kind == "linear" for _, kind in targets)
-    record = PatchRecord(fam.name, text_cls.__name__, n_attn, n_lin, remove_padding, world, resolutions)
+    record = PatchRecord(fam.name, text_cls.__name__, n_attn, n_lin, remove_padding, world, resolutions,
+                         tuple(windows[id(m)] for m, kind in targets if kind == "attention"), windows_how)
     if targets:
         model.__dict__[_MODEL_ATTR] = record
     else:

@@ -77,7 +77,7 @@ def _check_shapes(x, group, to_heads):
     unchecked all-to-all). Raises on every rank alike, so no peer is left waiting in the all-to-all."""
     name = "gather_seq_scatter_heads" if to_heads else "gather_heads_scatter_seq"
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
-        raise UlyssesError(f"tfcompat.ulysses.{name}: expected a (tokens, heads, head_dim) tensor, got "
+        raise UlyssesError(f"tfcompat: ulysses.{name}: expected a (tokens, heads, head_dim) tensor, got "
                            f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     p = _size(group)
     mine = torch.tensor(list(x.shape), dtype=torch.int64, device=x.device)
@@ -85,13 +85,13 @@ def _check_shapes(x, group, to_heads):
     dist.all_gather(seen, mine, group=group)
     shapes = [tuple(int(v) for v in t) for t in seen]
     if len(set(shapes)) != 1:
-        raise UlyssesError(f"tfcompat.ulysses.{name}: the ranks hold tensors of shapes {shapes}; every rank must "
+        raise UlyssesError(f"tfcompat: ulysses.{name}: the ranks hold tensors of shapes {shapes}; every rank must "
                            f"hold the same shape (an equal slice of the row: tfcompat.ulysses.slice_for_rank pads "
                            f"the row to a multiple of the group size)")
     split = x.shape[1] if to_heads else x.shape[0]
     if split % p:
         what = "heads" if to_heads else "tokens (the gathered row)"
-        raise UlyssesError(f"tfcompat.ulysses.{name}: {split} {what} do not divide over a group of {p} ranks; "
+        raise UlyssesError(f"tfcompat: ulysses.{name}: {split} {what} do not divide over a group of {p} ranks; "
                            + ("repeat the kv heads (repeat_kv_for_group) or choose a group size that divides them"
                               if to_heads else "pass the output of gather_seq_scatter_heads (P x the local tokens)"))
 
