@@ -1,5 +1,6 @@
 """Test helpers: the upstream oracle, read straight from the installed transformers."""
 
+import functools
 import importlib
 import inspect
 import os
@@ -50,6 +51,7 @@ def patchable():
     return [n for n in installed() if not FAMILIES[n].patch_refusal]
 
 
+@functools.lru_cache(maxsize=None)
 def plan_shape(name):
     """What a family-independent mechanism (checkpointing, optimizer steps, copies, RL layouts, clients) can
     depend on: the resolved attention and rotary plans (class names aside), the towers, MoE routing. Families
