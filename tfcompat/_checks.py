@@ -27,7 +27,7 @@ def _result(name, check, fn, tolerance):
             "error": error}
 
 
-def _setup(name, dtype, seed=0, batch=2, seq=23):
+def _setup(name, dtype, seed=0, batch=2, seq=23, config=None):
     import torch
 
     from . import _resolve
@@ -35,7 +35,7 @@ def _setup(name, dtype, seed=0, batch=2, seq=23):
     from .testing import tiny_config
 
     res = _resolve.resolve("rope.init", name)
-    config = tiny_config(name)
+    config = tiny_config(name) if config is None else config
     rot = res.target(config=text_config(config))
     g = torch.Generator().manual_seed(seed)
     if _resolve._family(name).vision:
@@ -59,12 +59,12 @@ def _fwd_bwd(fn, q, k, gq, gk):
     return oq.detach(), ok.detach(), q.grad, k.grad
 
 
-def _rope_vs_upstream(name, dtype, inplace):
+def _rope_vs_upstream(name, dtype, inplace, config=None):
     import torch
 
     from .rope import apply_rope, apply_rope_
 
-    config, _, cos, sin, q, k, g = _setup(name, dtype)
+    config, _, cos, sin, q, k, g = _setup(name, dtype, config=config)
     gq, gk = torch.randn(q.shape, generator=g).to(dtype), torch.randn(k.shape, generator=g).to(dtype)
     want = _fwd_bwd(lambda a, b: apply_rope(a, b, cos, sin, config=config, impl="upstream"), q, k, gq, gk)
     if inplace:
@@ -74,18 +74,20 @@ def _rope_vs_upstream(name, dtype, inplace):
     return max((w.float() - h.float()).abs().max().item() for w, h in zip(want, got))
 
 
-def _config_vs_rotary(name):
+def _config_vs_rotary(name, config=None):
     import torch
 
     from .config import rope_parameters
 
-    config, rot, *_ = _setup(name, torch.float32)
+    config, rot, *_ = _setup(name, torch.float32, config=config)
     rp = rope_parameters(config)
     if rp.rotary_dim != 2 * rot.inv_freq.numel():
         raise AssertionError(f"rotary_dim {rp.rotary_dim} but the rotary module has {rot.inv_freq.numel()} frequencies")
     section = getattr(rot, "mrope_section", None)
     if section is not None and tuple(section) != rp.mrope_section:
         raise AssertionError(f"mrope_section {rp.mrope_section} but the rotary module uses {list(section)}")
+    if rp.rope_type != "default":  # scaled frequencies (yarn, dynamic, ...): upstream's init is the oracle
+        return 0.0 if rot.inv_freq.numel() * 2 == rp.rotary_dim else float("inf")
     want = 1.0 / (rp.rope_theta ** (torch.arange(0, rp.rotary_dim, 2, dtype=torch.float) / rp.rotary_dim))
     return (rot.inv_freq.float() - want).abs().max().item()
 
@@ -113,7 +115,18 @@ def _forward_kwargs(model, ids, pixels):
     return kw
 
 
-def _packed_vs_padded(name):
+def _model(name, config):
+    import torch
+
+    from .testing import model_class, tiny_model
+
+    if config is None:
+        return tiny_model(name)
+    torch.manual_seed(0)
+    return model_class(name)(config).float().eval()
+
+
+def _packed_vs_padded(name, config=None, model=None):
     """Patched model on a packed batch vs the unpatched model on the padded batch: logits and grads."""
     import torch
 
@@ -121,11 +134,15 @@ def _packed_vs_padded(name):
     from ._families import family
     from .embeds import rope_index
     from .packing import pack, unpack
-    from .testing import tiny_model, tiny_pixels, tiny_sequence
+    from .testing import tiny_pixels, tiny_sequence
 
-    vision = family(name).vision
-    model = tiny_model(name)
-    rows = [tiny_sequence(name, text=5, image=vision), tiny_sequence(name, text=3, image=vision, image_first=True)]
+    # a model with its own weights (--model): text rows (the tiny rows' image ids are not its image ids)
+    vision = family(name).vision and model is None
+    model = _model(name, config) if model is None else model
+    window = getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "sliding_window", None)
+    longer = 2 * int(window) + 3 if window and int(window) < 16 else 5  # sequences longer than the window
+    rows = [tiny_sequence(name, text=longer, image=vision),
+            tiny_sequence(name, text=3, image=vision, image_first=True)]
     ids, mask = _padded(rows)
     pixels = tiny_pixels(2 if vision else 0)
     ref = model(input_ids=ids, attention_mask=mask, use_cache=False, **_forward_kwargs(model, ids, pixels)).logits
@@ -160,13 +177,13 @@ def _packed_vs_padded(name):
     return diff
 
 
-def _embeds_vs_model(name, images):
+def _embeds_vs_model(name, images, config=None):
     import torch
 
     from .embeds import get_input_embeds
-    from .testing import tiny_model, tiny_pixels, tiny_sequence
+    from .testing import tiny_pixels, tiny_sequence
 
-    model = tiny_model(name)
+    model = _model(name, config)
     ids = torch.tensor([tiny_sequence(name, text=5, image=bool(images))])
     pixels = tiny_pixels(images)
     text = next(m for m in model.modules() if "layers" in m._modules and "embed_tokens" in m._modules)
@@ -207,14 +224,16 @@ def _patchable(fam):
 
 
 #: (check, function, why it does not apply (None: it does), what is compared)
+#: (check, function of (family, config, model), why it does not apply (None: it does), what is compared);
+#: config: a scaled user config (check --config) or None (the family's tiny config); model: loaded weights
 CHECKS = (
-    ("config.rope_parameters", lambda n: _config_vs_rotary(n), _rotary, "values"),
-    ("rope.native.fp32", lambda n: _rope_vs_upstream(n, _dtype("float32"), inplace=False), _rotary, "fwd+bwd"),
-    ("rope.inplace.fp32", lambda n: _rope_vs_upstream(n, _dtype("float32"), inplace=True), _rotary, "fwd+bwd"),
-    ("rope.native.bf16", lambda n: _rope_vs_upstream(n, _dtype("bfloat16"), inplace=False), _rotary, "fwd+bwd"),
-    ("attention.packed", lambda n: _packed_vs_padded(n), _patchable, "fwd+bwd"),
-    ("embeds.image", lambda n: _embeds_vs_model(n, 1), _vision, "fwd"),
-    ("embeds.dummy", lambda n: _embeds_vs_model(n, 0), _vision, "fwd+bwd"),
+    ("config.rope_parameters", lambda n, c, m: _config_vs_rotary(n, c), _rotary, "values"),
+    ("rope.native.fp32", lambda n, c, m: _rope_vs_upstream(n, _dtype("float32"), False, c), _rotary, "fwd+bwd"),
+    ("rope.inplace.fp32", lambda n, c, m: _rope_vs_upstream(n, _dtype("float32"), True, c), _rotary, "fwd+bwd"),
+    ("rope.native.bf16", lambda n, c, m: _rope_vs_upstream(n, _dtype("bfloat16"), False, c), _rotary, "fwd+bwd"),
+    ("attention.packed", lambda n, c, m: _packed_vs_padded(n, c, m), _patchable, "fwd+bwd"),
+    ("embeds.image", lambda n, c, m: _embeds_vs_model(n, 1, c), _vision, "fwd"),
+    ("embeds.dummy", lambda n, c, m: _embeds_vs_model(n, 0, c), _vision, "fwd+bwd"),
 )
 
 # relative to the largest magnitude, for whole-model comparisons (fp32 summation order differs): the tests'
@@ -229,17 +248,22 @@ def _dtype(name):
     return getattr(torch, name)
 
 
-def run_family(name, tolerance=None):
-    """Run every check for one family; yields result dicts as they finish."""
+def run_family(name, tolerance=None, config=None, model=None):
+    """Run every check for one family (on ``config`` or ``model`` where given); yields result dicts as they
+    finish."""
     from ._families import family
 
     fam = family(name)
     for check, fn, why_not, what in CHECKS:
         reason = why_not(fam)
+        if reason is None and model is not None and check.startswith("embeds."):
+            reason = "--model: the checkpoint's own image placeholders need its processor; run --config for them"
         if reason is not None:
             yield {"family": name, "check": check, "compares": what, "max_abs_diff": None, "tolerance": None,
                    "passed": True, "skipped": reason, "seconds": 0.0, "error": None}
             continue
-        result = _result(name, check, lambda fn=fn: fn(name), tolerance)
+        if model is not None and not check.startswith("attention."):
+            config = model.config
+        result = _result(name, check, lambda fn=fn: fn(name, config, model), tolerance)
         result.update(compares=what, skipped=None)
         yield result

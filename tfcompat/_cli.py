@@ -15,6 +15,7 @@ import sys
 import time
 
 from . import __version__
+from .errors import TfcompatError
 
 SCHEMA = 1
 _PROG = "tfcompat"
@@ -93,6 +94,8 @@ def _report(args):
 def _check(args):
     from . import _checks, _resolve, version
 
+    if args.config or args.model:
+        return _check_model(args)
     try:
         version.require_supported_transformers("tfcompat check")
         installed = _resolve.installed_families()
@@ -123,6 +126,56 @@ def _check(args):
         print(f"{len(results) - failed - skipped} passed, {failed} failed, {skipped} skipped ({len(names)} "
               f"{'family' if len(names) == 1 else 'families'}, transformers {doc['transformers']}, "
               f"{doc['seconds']:.1f}s)")
+    return 0 if failed == 0 else 1
+
+
+def _check_model(args):
+    """``check --config PATH`` / ``--model PATH``: the user's model (scaled down, or with its weights)."""
+    from . import _checks, _resolve, version
+    from ._families import family
+    from ._scale import load_config, scaled_config
+
+    path = args.model or args.config
+    try:
+        version.require_supported_transformers("tfcompat check")
+        config = load_config(path)
+        fam = family(config)
+        if fam.name not in _resolve.installed_families():
+            raise TfcompatError(f"transformers {_dist_version('transformers')} does not ship {fam.name}")
+        _quiet_transformers()
+        if args.model:
+            import torch
+
+            from .testing import model_class
+
+            model = model_class(fam.name).from_pretrained(path, torch_dtype=torch.float32, local_files_only=True)
+            target, kept, how = {"model": model}, {}, f"{path}: its own weights (fp32)"
+        else:
+            scaled, kept = scaled_config(config)
+            target, how = {"config": scaled}, f"{path}: scaled down"
+    except Exception as exc:  # says why it cannot serve this model: exit 2, one line
+        return _check_fail(args, f"{path}: {type(exc).__name__}: {exc}")
+    start = time.perf_counter()
+    results = []
+    if not args.json:
+        print(f"{fam.name} ({type(config).__name__}, transformers {_dist_version('transformers')}): {how}")
+        for key, value in kept.items():
+            print(f"  kept {key} = {value}")
+    for result in _checks.run_family(fam.name, tolerance=args.tolerance, **target):
+        results.append(result)
+        if not args.json:
+            print(_check_line(result, len(fam.name)), flush=True)
+    failed = sum(not r["passed"] for r in results)
+    skipped = sum(r["skipped"] is not None for r in results)
+    doc = {"schema": SCHEMA, "tfcompat": __version__, "transformers": _dist_version("transformers"),
+           "torch": _dist_version("torch"), "families": [fam.name], "source": path,
+           "kept": {k: str(v) for k, v in kept.items()}, "results": results, "passed": failed == 0,
+           "seconds": round(time.perf_counter() - start, 3)}
+    if args.json:
+        print(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        print(f"{len(results) - failed - skipped} passed, {failed} failed, {skipped} skipped ({path}, "
+              f"transformers {doc['transformers']}, {doc['seconds']:.1f}s)")
     return 0 if failed == 0 else 1
 
 
@@ -235,6 +288,11 @@ def build_parser():
     p.add_argument("--json", action="store_true", help="machine-readable output (schema 1)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="override every check's absolute tolerance (a self-test of the failure path)")
+    p.add_argument("--config", metavar="PATH",
+                   help="check YOUR model: a config.json or checkpoint folder, scaled down keeping every setting "
+                        "that decides RoPE and attention")
+    p.add_argument("--model", metavar="PATH",
+                   help="check a local checkpoint folder with its own weights (fp32 on CPU: small models)")
     p.set_defaults(func=_check)
     p = sub.add_parser("vendor", help="copy the package into DEST (e.g. myproj/_vendor/tfcompat)")
     p.add_argument("dest", metavar="DEST")

@@ -1,0 +1,131 @@
+"""A user's model scaled down for ``tfcompat check --config``: every setting that decides RoPE and attention
+kept, the widths and depths that only cost time made tiny.
+
+Kept from the loaded config (as ``from_pretrained`` of this release read it): head_dim, the ratio of query
+to key/value heads, the RoPE settings (theta, type and scaling, mRoPE sections and interleaving, partial
+rotary, the MLA rotary/latent widths), the sliding-window settings and layer types (a prefix of the stack
+long enough to hold every layer kind: a windowed and a full layer where both exist, the linear-attention
+pattern), attention biases, MoE routing (top-k, normalisation, sparse steps), tied embeddings.
+Made tiny: hidden and MLP widths, expert count and widths, layer count, the vocabulary (256 tokens: the token
+ids of images and videos are renumbered into it; ids decide no RoPE or attention number) and the vision tower
+(the tiny one of the family: a tower's widths and depth do not reach the text model's positions, its merge
+size does and is kept equal).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = ["load_config", "scaled_config", "KEPT"]
+
+#: text settings taken from the user's config as loaded (present ones only)
+KEPT = ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor", "head_dim", "max_position_embeddings",
+        "use_sliding_window", "sliding_window", "max_window_layers", "attention_bias", "qkv_bias",
+        "num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step", "full_attention_interval",
+        "tie_word_embeddings", "rope_interleave", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+        "use_qk_norm", "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace")
+_MAX_LAYERS = 64
+
+
+def load_config(path: str) -> Any:
+    """The config at ``path`` (a config.json or a checkpoint folder), loaded by ``AutoConfig.from_pretrained``
+    as this release loads it (its legacy keys rewritten by the config class, nothing downloaded)."""
+    from transformers import AutoConfig
+
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(f"tfcompat check: {path} has no config.json; pass a checkpoint folder or a config file")
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    if not os.path.isfile(path):
+        raise ConfigError(f"tfcompat check: no such file or folder: {path}")
+    try:
+        with open(path) as fh:
+            json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"tfcompat check: {path} is not a JSON config: {exc}") from None
+    folder = tempfile.mkdtemp(prefix="tfcompat-config-")
+    try:
+        shutil.copyfile(path, os.path.join(folder, "config.json"))
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _layer_count(text) -> int:
+    """A prefix of the stack that holds every kind of layer the model has (at least 2)."""
+    total = int(getattr(text, "num_hidden_layers", 2) or 2)
+    need = 2
+    types = getattr(text, "layer_types", None)
+    if types:
+        need = max(need, max(list(types).index(kind) for kind in set(types)) + 1)
+    if getattr(text, "use_sliding_window", False) and getattr(text, "max_window_layers", None) is not None:
+        need = max(need, int(text.max_window_layers) + 1)  # a layer on each side of the boundary
+    interval = getattr(text, "full_attention_interval", None)
+    if interval:
+        need = max(need, int(interval))
+    sparse = getattr(text, "decoder_sparse_step", None)
+    if sparse:
+        need = max(need, int(sparse))
+    first_dense = getattr(text, "first_k_dense_replace", None)
+    if first_dense:
+        need = max(need, int(first_dense) + 1)
+    return min(total, need, _MAX_LAYERS)
+
+
+def scaled_config(config: Any) -> tuple[Any, dict]:
+    """``(tiny config of the same family, what was kept)`` for a loaded config."""
+    from ._families import family
+    from .config import text_config
+    from .testing import tiny_config
+
+    fam = family(config)
+    text = text_config(config)
+    heads = int(text.num_attention_heads)
+    kv = int(getattr(text, "num_key_value_heads", None) or heads)
+    if heads % kv:
+        raise ConfigError(f"tfcompat check: {heads} attention heads do not divide into {kv} key/value heads")
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    ratio = heads // kv
+    small_kv = 1 if ratio >= 4 else 2
+    kept: dict[str, Any] = {k: getattr(text, k) for k in KEPT if k in vars(text) and getattr(text, k) is not None}
+    layers = _layer_count(text)
+    overrides = dict(kept, num_attention_heads=small_kv * ratio, num_key_value_heads=small_kv,
+                     head_dim=int(head_dim), hidden_size=small_kv * ratio * int(head_dim), num_hidden_layers=layers)
+    window = kept.get("sliding_window")
+    if isinstance(window, int) and window > 4:
+        overrides["sliding_window"] = 4  # a width: which layers window is kept; the rows are longer than 4
+    types = getattr(text, "layer_types", None)
+    if types:
+        overrides["layer_types"] = list(types)[:layers]
+    mlp_only = getattr(text, "mlp_only_layers", None)
+    if mlp_only:
+        overrides["mlp_only_layers"] = [i for i in mlp_only if i < layers]
+    experts = next((getattr(text, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                    if getattr(text, k, None)), None)
+    top_k = kept.get("num_experts_per_tok")
+    if experts and top_k:
+        small = max(4, 2 * int(top_k)) if int(top_k) * 2 <= int(experts) else int(experts)
+        for k in ("num_experts", "n_routed_experts", "num_local_experts"):
+            if getattr(text, k, None):
+                overrides[k] = small
+    if fam.vision:
+        vision = getattr(config, "vision_config", None)
+        merge = getattr(vision, "spatial_merge_size", None)
+        tiny_merge = getattr(getattr(tiny_config(fam.name), "vision_config", None), "spatial_merge_size", None)
+        if merge is not None and tiny_merge is not None and merge != tiny_merge:
+            raise ConfigError(f"tfcompat check: spatial_merge_size {merge} (the tiny tower merges {tiny_merge}); "
+                              f"the scaled model would place image tokens differently")
+    try:
+        scaled = tiny_config(fam.name, **overrides)
+    except Exception as exc:
+        raise ConfigError(f"tfcompat check: the {fam.name} config class of this release refuses the scaled "
+                          f"settings {sorted(overrides)}: {type(exc).__name__}: {exc}") from None
+    shown = {k: v for k, v in overrides.items() if k in KEPT or k in ("layer_types",)}
+    shown.update(heads=f"{heads}/{kv} -> {small_kv * ratio}/{small_kv}", layers=f"{text.num_hidden_layers} -> {layers}")
+    return scaled, shown
