@@ -29,7 +29,7 @@ HAVE = patchable()
 ULYSSES = [n for n in one_per_shape(HAVE) if not linear_attention(n)]  # linear attention: refused (tested below)
 VISION = [n for n in one_per_shape(HAVE) if SPECS[n].vision]
 # verl's whole-row call: a text family and the VL families verl slices (Qwen3-VL: deepstack rows too)
-WHOLE_ROW = [n for n in ("qwen2", "qwen2_vl", "glm4v", "qwen3_vl") if n in HAVE]
+WHOLE_ROW = [n for n in ("qwen2", "qwen2_vl", "qwen3_vl") if n in HAVE]
 VERL = verl_ulysses()
 
 
@@ -427,7 +427,7 @@ def _whole_row_worker(rank, world, name):
         close_to_model(got.detach(), want.detach(), f"rank {rank} logits (verl's slicing)")
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen2_vl", "glm4v", "qwen3_vl"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen2_vl", "qwen3_vl"])
 def test_whole_row_call_slices_after_embedding(outcomes, name):
     """verl's VLM Ulysses call, with verl's own ulysses_pad / gather_outputs_and_unpad where verl is installed."""
     if name not in HAVE:

@@ -1,0 +1,70 @@
+"""`tfcompat check --config` on the configs published checkpoints ship, and `--model` on local checkpoints.
+
+Each config is loaded as `from_pretrained` loads it on the installed release, scaled down with every setting that
+decides RoPE and attention kept, and run through every check (upstream is the oracle); a checkpoint folder is
+loaded with its weights (`from_pretrained`, safetensors).
+"""
+
+import json
+import pathlib
+
+import pytest
+
+from tfcompat._cli import main
+
+from _helpers import installed
+
+DATA = pathlib.Path(__file__).resolve().parent / "data"
+CONFIGS = sorted((DATA / "configs").glob("*.json"))
+
+
+def _run(capsys, *argv):
+    code = main(["check", *argv, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_the_catalogue_is_there():
+    assert len(CONFIGS) >= 8 and (DATA / "configs" / "SOURCES.md").is_file()
+    listed = (DATA / "configs" / "SOURCES.md").read_text()
+    assert all(path.name in listed for path in CONFIGS), "every config cites its model id in SOURCES.md"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_published_config_passes_every_check(path, capsys):
+    model_type = json.loads(path.read_text())["model_type"]
+    if model_type not in installed():
+        pytest.skip(f"transformers of this environment has no {model_type}")
+    code, doc = _run(capsys, "--config", str(path))
+    failed = [r for r in doc["results"] if not r["passed"]]
+    assert code == 0 and doc["passed"] and not failed, failed
+    assert any(r["check"] == "attention.packed" and r["skipped"] is None for r in doc["results"])
+    assert doc["kept"], "the scaled model reports what it kept"
+
+
+def test_checkpoint_saved_by_an_older_release(capsys):
+    """A tiny Qwen2 saved by transformers 4.51.3 (safetensors), loaded with its weights by this release."""
+    code, doc = _run(capsys, "--model", str(DATA / "checkpoints" / "qwen2-saved-by-4.51.3"))
+    assert code == 0 and doc["passed"], [r for r in doc["results"] if not r["passed"]]
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_5"])
+def test_checkpoint_this_release_saves(name, tmp_path, capsys):
+    from tfcompat.testing import tiny_model
+
+    if name not in installed():
+        pytest.skip("not in this release")
+    tiny_model(name).save_pretrained(tmp_path)
+    code, doc = _run(capsys, "--model", str(tmp_path))
+    assert code == 0 and doc["passed"], [r for r in doc["results"] if not r["passed"]]
+    assert any(r["check"] == "attention.packed" and r["skipped"] is None for r in doc["results"])
+
+
+def test_a_config_tfcompat_cannot_serve_says_why(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1}))
+    code, doc = _run(capsys, "--config", str(tmp_path))
+    assert code == 2 and not doc["passed"] and "does not cover model_type 'gpt2'" in doc["error"]
+    code, doc = _run(capsys, "--config", str(tmp_path / "missing.json"))
+    assert code == 2 and "no such file or folder" in doc["error"]
+    (tmp_path / "bad.json").write_text("{not json")
+    code, doc = _run(capsys, "--config", str(tmp_path / "bad.json"))
+    assert code == 2 and "is not a JSON config" in doc["error"]
