@@ -262,8 +262,7 @@ def run_family(name, tolerance=None, config=None, model=None):
             yield {"family": name, "check": check, "compares": what, "max_abs_diff": None, "tolerance": None,
                    "passed": True, "skipped": reason, "seconds": 0.0, "error": None}
             continue
-        if model is not None and not check.startswith("attention."):
-            config = model.config
-        result = _result(name, check, lambda fn=fn: fn(name, config, model), tolerance)
+        cfg = model.config if model is not None and not check.startswith("attention.") else config
+        result = _result(name, check, lambda fn=fn, cfg=cfg: fn(name, cfg, model), tolerance)
         result.update(compares=what, skipped=None)
         yield result

@@ -1,0 +1,346 @@
+"""The patched forwards: the text model (decides the step), the model patch() was given, the module owning the
+vision tower, the rotary module (carries the step), the decoder layers, the attention and the linear-attention
+mixers. Each is a module-level function of ``(module, *args, **kwargs)``, installed by reference.
+"""
+
+from __future__ import annotations
+
+from . import _boundaries, _resolve
+from ._install import (
+    _ATTR,
+    _CACHE_NAMES,
+    _FLASH_KWARGS,
+    _arguments,
+    _Carried,
+    _original,
+    _Scope,
+    _scoped,
+    _signature,
+    _StepMask,
+)
+from .errors import PackingError, TfcompatError, UlyssesError
+
+__all__ = ["FORWARDS"]
+
+
+# ------------------------------------------------------------------------------ text model
+def _text_model_forward(self, *args, **kwargs):
+    import torch
+
+    state = getattr(self, _ATTR)
+    explicit = {k: kwargs.pop(k) for k in _FLASH_KWARGS if k in kwargs}
+    scope = _scoped()
+    if not explicit and scope is not None and scope[0] == "explicit":
+        explicit = scope[1]
+    a = _arguments(self, args, kwargs)
+    if a is None:
+        return _original(self, state, *args, **kwargs)  # upstream says what is wrong with the call
+    plan = _resolve.resolve("attention.signature", state.family).plan
+    group = state.group_or_raise()
+    ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
+    if ref is None:
+        return _original(self, state, *args, **kwargs)
+    _boundaries.check_position_shape(state.family, a.get("position_ids"), ref.shape[0], ref.shape[1])
+    if group is not None and state.slice_inputs:
+        a = _boundaries.slice_whole_row(self, state, a, explicit, group)
+        ref = a["inputs_embeds"]
+    elif group is not None:
+        _boundaries.check_ulysses_lengths(ref.shape[1], ref.shape[0], group, state, ref, a.get("position_ids"))
+    position_ids = a.get("position_ids")
+    batch, local = ref.shape[0], ref.shape[1]
+    changed = {}
+    if position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 4 and not plan.four_row_ids:
+        changed["position_ids"] = position_ids[1:]  # this release's text model predates the 4-row layout
+
+    step = _boundaries.find_step(state, group, explicit, position_ids, a.get("attention_mask"), batch, local,
+                                 ref.device)
+    if step is None:
+        if position_ids is not None and position_ids.dim() == 3 and a.get("attention_mask") is None and \
+                "attention_mask" in _signature(type(self)).parameters:
+            # the numbers of a mask of ones (one unpadded sample per row); transformers 4.53-4.57 crash building
+            # the causal mask from 3-row ids without a mask (Qwen2-VL, GLM-4V), and 5.x would read the temporal
+            # row as packed-sequence starts. With a KV cache (generate()), the mask covers the cached tokens too.
+            cache = next((a[n] for n in _CACHE_NAMES if a.get(n) is not None), None)
+            past = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
+            changed["attention_mask"] = torch.ones((batch, past + local), dtype=torch.long, device=ref.device)
+        if changed:
+            a.update(changed)
+            return _original(self, state, **a)
+        return _original(self, state, *args, **kwargs)
+
+    cache = next((a[n] for n in _CACHE_NAMES if a.get(n) is not None), None)
+    if cache is not None:
+        raise TfcompatError(
+            f"tfcompat {state.family}: a packed row (or Ulysses shard) was passed with a KV cache "
+            f"({type(cache).__name__}); sequences of a packed row cannot share one cache; pass use_cache=False "
+            f"and no past_key_values for training, or unpack the row for generation"
+        )
+    if a.get("output_attentions"):
+        raise TfcompatError(
+            f"tfcompat {state.family}: output_attentions=True on a packed row (or Ulysses shard): the packed "
+            f"attention computes no weight matrix; call the unpatched model on the padded batch to inspect weights"
+        )
+    if "use_cache" in _signature(type(self)).parameters or "use_cache" in a:
+        changed["use_cache"] = False  # no cache for a packed row: the configs' default would create one
+    if "attention_mask" in _signature(type(self)).parameters:
+        # an explicit all-ones mask keeps upstream mask builders from re-reading packed position ids
+        # (some releases cannot parse 3-row ids there); the patched attention does not use it
+        changed["attention_mask"] = torch.ones((batch, local), dtype=torch.long, device=ref.device)
+    a.update(changed)
+    with _Scope(("step", step)):
+        return _original(self, state, **a)
+
+
+def _top_forward(self, *args, **kwargs):
+    """The model patch() was given: takes the flash-attn keyword arguments on every release (some top-level
+    forwards reject them) and hands them to the text model of this call."""
+    state = getattr(self, _ATTR)
+    _refuse_whole_row_labels(state, kwargs)
+    return _with_explicit(lambda *a, **k: _original(self, state, *a, **k), args, kwargs)
+
+
+def _vl_top_forward(self, *args, **kwargs):
+    """Both: the model patch() was given also owns the vision tower (4.51 ForConditionalGeneration)."""
+    _refuse_whole_row_labels(getattr(self, _ATTR), kwargs)
+    return _with_explicit(lambda *a, **k: _vl_forward(self, *a, **k), args, kwargs)
+
+
+def _refuse_whole_row_labels(state, kwargs):
+    if state.slice_inputs and state.group is not None and kwargs.get("labels") is not None:
+        raise UlyssesError(
+            f"tfcompat {state.family}: labels with slice_inputs=True: the model returns this rank's slice of the "
+            f"logits, which upstream's loss cannot pair with the whole row's labels; call without labels and "
+            f"compute the loss on the gathered logits (tfcompat.ulysses.gather_from_ranks), or on this rank's "
+            f"slice of the shifted labels (tfcompat.ulysses.slice_for_rank)")
+
+
+def _with_explicit(run, args, kwargs):
+    explicit = {k: kwargs.pop(k) for k in _FLASH_KWARGS if k in kwargs}
+    if not explicit:
+        return run(*args, **kwargs)
+    with _Scope(("explicit", explicit)):
+        return run(*args, **kwargs)
+
+
+def _vl_forward(self, *args, **kwargs):
+    """The module that owns the vision tower.
+
+    * Supplies ``mm_token_type_ids`` (from input_ids) where this release's forward takes it and the caller
+      gave none: 5.3+ forwards need it to position image and video tokens.
+    * On a text-only training batch, runs the tower on the smallest valid input and adds one zero-weighted
+      scalar to the token embeddings (out of place), so every vision weight gets a zero gradient on every
+      rank (DDP and FSDP stay in step); the numbers are unchanged.
+    """
+    import torch
+
+    state = getattr(self, _ATTR)
+    a = _arguments(self, args, kwargs)
+    if a is None:
+        return _original(self, state, *args, **kwargs)  # upstream says what is wrong with the call
+    pixels = a.get("pixel_values") is not None or a.get("pixel_values_videos") is not None
+    if pixels and a.get("input_ids") is not None and a["input_ids"].shape[0] == 1 and \
+            (state.group is None or state.slice_inputs):  # this rank holds the whole row
+        scope = _scoped()
+        explicit = scope[1] if scope is not None and scope[0] == "explicit" else {}
+        _boundaries.check_vision_in_packed_row(self, state.family, a, explicit)
+    if pixels and a.get("input_ids") is not None and a.get("mm_token_type_ids") is None and \
+            "mm_token_type_ids" in _signature(type(self)).parameters:
+        from .embeds import mm_token_type_ids
+
+        a["mm_token_type_ids"] = mm_token_type_ids(self.config, a["input_ids"])
+        args, kwargs = (), a
+    from .embeds import dummy_audio_zero, dummy_visual_zero, has_audio_tower, tie_zero
+
+    # every tower this batch does not feed runs on a dummy input (an omni thinker's audio tower on a batch
+    # with images too): DDP/FSDP need the same parameters to get gradients on every rank
+    audio = has_audio_tower(self) and a.get("input_features") is None
+    if (pixels and not audio) or not state.dummy_visual or not (self.training and torch.is_grad_enabled()):
+        return _original(self, state, *args, **kwargs)
+    zero = dummy_visual_zero(self) if not pixels else None
+    if audio:
+        zero = dummy_audio_zero(self) if zero is None else zero + dummy_audio_zero(self)
+    if a.get("inputs_embeds") is not None:
+        a["inputs_embeds"] = tie_zero(a["inputs_embeds"], zero)
+        return _original(self, state, **a)
+    hook = self.get_input_embeddings().register_forward_hook(lambda m, i, out: tie_zero(out, zero))
+    try:
+        return _original(self, state, *args, **kwargs)
+    finally:
+        hook.remove()
+
+
+def _rotary_forward(self, *args, **kwargs):
+    state = getattr(self, _ATTR)
+    out = _original(self, state, *args, **kwargs)
+    scope = _scoped()
+    if scope is not None and scope[0] == "step" and isinstance(out, tuple):
+        from .rope import check_cos
+
+        check_cos(state.family, *out)  # once per step: the per-layer rotation trusts this layout
+        out = _Carried(out)
+        out.step = scope[1]
+    return out
+
+
+def _layer_forward(self, *args, **kwargs):
+    state = getattr(self, _ATTR)
+    step = next((v.step for v in (*args, *kwargs.values()) if isinstance(v, _Carried)), None)
+    if step is None:
+        scope = _scoped()
+        if scope is not None and scope[0] == "step":
+            raise TfcompatError(
+                f"tfcompat {state.family}: {type(self).__name__} did not receive the position embeddings of this "
+                f"packed step, so it cannot tell where sequences begin; a wrapper around the decoder layer that "
+                f"drops keyword arguments would do this (wrap the layers with torch's checkpoint_wrapper or "
+                f"tfcompat.enable_checkpointing); if nothing wraps it, this transformers release passes them "
+                f"differently: please report it (transformers {_resolve._version.transformers_version()})")
+        return _original(self, state, *args, **kwargs)
+    if getattr(state, "linear_child", False):
+        args, kwargs = _with_step_mask(self, step, args, kwargs)
+    raw = _checkpointed_forward(self, state)
+    if raw is not None:
+        # transformers checkpoints the class forward itself (5.2x GradientCheckpointingLayer wraps
+        # ``cls.forward``), so its recomputation would run below this scope; checkpoint here instead, with
+        # the scope inside the recomputed function (a packed step has no cache to flip off)
+        import functools
+
+        def scoped(*a, **k):
+            with _Scope(("layer", step)):
+                return raw(self, *a, **k)
+
+        return self._gradient_checkpointing_func(functools.partial(scoped, **kwargs), *args)
+    with _Scope(("layer", step)):
+        return _original(self, state, *args, **kwargs)
+
+
+def _with_step_mask(layer, step, args, kwargs):
+    """The layer's call with ``attention_mask`` replaced by the step's boundaries (:class:`_StepMask`): the
+    layer hands it to its mixer as is; the patched mixers read it (full attention ignores the mask in a
+    packed step, and the all-ones mask the text model passed carries nothing)."""
+    if "attention_mask" in kwargs:
+        return args, {**kwargs, "attention_mask": _StepMask(step)}
+    names = [n for n in _signature(type(layer)).parameters if n != "self"]
+    if "attention_mask" in names and names.index("attention_mask") < len(args):
+        i = names.index("attention_mask")
+        return args[:i] + (_StepMask(step),) + args[i + 1:], kwargs
+    return args, {**kwargs, "attention_mask": _StepMask(step)} if "attention_mask" in names else kwargs
+
+
+def _checkpointed_forward(module, state):
+    """The function below transformers' per-class checkpoint wrapper when it would checkpoint now, else None."""
+    import torch
+
+    if state.saved_forward is not None or not (getattr(module, "gradient_checkpointing", False) and module.training
+                                               and torch.is_grad_enabled()):
+        return None
+    fwd = type(module).forward
+    code = getattr(fwd, "__code__", None)
+    if code is None or code.co_name != "forward_with_checkpointing" or not hasattr(fwd, "__wrapped__"):
+        return None
+    return fwd.__wrapped__
+
+
+def _layer_step(module, position_embeddings=None):
+    if isinstance(position_embeddings, _Carried):
+        return position_embeddings.step
+    scope = _scoped()
+    return scope[1] if scope is not None and scope[0] == "layer" else None
+
+
+# ------------------------------------------------------------------------------- attention
+def _attention_forward(self, *args, **kwargs):
+    import torch
+
+    state = getattr(self, _ATTR)
+    a = _arguments(self, args, kwargs)
+    if a is None:
+        return _original(self, state, *args, **kwargs)
+    pe = a.get("position_embeddings")
+    step = _layer_step(self, pe)
+    if step is None:
+        if state.group is not None or state.group_lost:
+            raise UlyssesError(f"tfcompat {state.family}: a Ulysses-patched attention was called outside a patched "
+                               f"text model step; call the model (or its text model), not the layer")
+        return _original(self, state, *args, **kwargs)  # not packed: upstream, unchanged
+    hidden = a["hidden_states"]
+    if pe is None or hidden.shape[0] != 1:
+        raise TfcompatError(f"tfcompat {state.family}: the packed attention needs position_embeddings and batch 1, "
+                            f"got {'no position embeddings' if pe is None else f'batch {hidden.shape[0]}'}")
+    group = state.group_or_raise()
+
+    from .rope import rotate
+    from .varlen import _varlen
+
+    plan = _resolve.resolve("attention.signature", state.family).plan
+    _, s, _ = hidden.shape
+    d = self.head_dim
+    q = self.q_proj(hidden)
+    gate = None
+    if q.shape[-1] == 2 * _heads(self) * d:  # Qwen3.5: query and output gate interleaved per head
+        q, gate = torch.chunk(q.view(1, s, -1, 2 * d), 2, dim=-1)
+        gate = gate.reshape(1, s, -1)
+    q = q.view(1, s, -1, d)
+    k = self.k_proj(hidden).view(1, s, -1, d)
+    v = self.v_proj(hidden).view(1, s, -1, d)
+    if getattr(self, "q_norm", None) is not None:
+        q, k = self.q_norm(q), self.k_norm(k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    cos, sin = pe
+    # out of place: a projection output (or a norm's) may be saved by selective activation checkpointing,
+    # which a rotation in place would corrupt. cos/sin are this release's own (checked once per step).
+    q, k = rotate(q, k, cos, sin, state.family, state.section)
+    q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0]
+    if group is not None:
+        from .ulysses import repeat_kv_for_group, to_heads, to_sequence
+
+        # the step checked every rank's slice once (equal lengths); no check (host sync) per layer
+        q = to_heads(q, group)
+        k = to_heads(repeat_kv_for_group(k, state.world), group)
+        v = to_heads(repeat_kv_for_group(v, state.world), group)
+    if step.total != q.shape[0]:
+        raise PackingError(f"tfcompat attention: boundaries cover {step.total} tokens but the layer sees "
+                           f"{q.shape[0]}; pass boundaries of the whole (gathered) packed row")
+    dropout = self.attention_dropout if self.training else 0.0
+    scale = getattr(self, "scaling", None) or d ** -0.5
+    out = _varlen(q, k, v, step.cu, step.bounds, step.max_len, causal=True, softmax_scale=scale,
+                  window=state.window, dropout_p=dropout)
+    if group is not None:
+        out = to_sequence(out, group)
+    out = out.reshape(1, s, -1)
+    if gate is not None:
+        out = out * torch.sigmoid(gate)
+    out = self.o_proj(out)
+    return (out, None, None) if plan.returns == 3 else (out, None)
+
+
+def _heads(module):
+    config = module.config
+    return getattr(module, "num_heads", None) or config.num_attention_heads
+
+
+# ------------------------------------------------------------------------ linear attention
+def _linear_forward(self, hidden_states, *args, **kwargs):
+    import torch
+
+    state = getattr(self, _ATTR)
+    carrier = next((v for v in (*args, *kwargs.values()) if isinstance(v, _StepMask)), None)
+    step = carrier.step if carrier is not None else _layer_step(self)
+    if step is None:
+        return _original(self, state, hidden_states, *args, **kwargs)
+    args = tuple(None if v is carrier else v for v in args)
+    cache = next((kwargs[n] for n in _CACHE_NAMES if kwargs.get(n) is not None), args[0] if args else None)
+    if cache is not None or hidden_states.shape[0] != 1:
+        raise TfcompatError(f"tfcompat {state.family}: the packed linear attention takes batch 1 and no cache")
+    kwargs = {k: v for k, v in kwargs.items() if k not in _FLASH_KWARGS + ("position_ids", "attention_mask")}
+    # The torch fallback of transformers ignores cu_seqlens, so run each sequence on its own:
+    # exact, and no recurrent or convolution state crosses a boundary.
+    b = step.bounds
+    outs = [_original(self, state, hidden_states[:, lo:hi], *args, **kwargs) for lo, hi in zip(b[:-1], b[1:])]
+    return torch.cat(outs, dim=1)
+
+
+FORWARDS = {"vl+top": _vl_top_forward, "vl": _vl_forward, "top": _top_forward, "text": _text_model_forward,
+             "rotary": _rotary_forward, "layer": _layer_forward,
+             "attention": _attention_forward, "linear": _linear_forward}
+
+

@@ -1,0 +1,192 @@
+"""What a patched module carries: its state, the callable that replaces its ``forward`` (keeping upstream's
+signature), the carriers of a packed step's boundaries, and installing / removing them on one module.
+
+Used by :mod:`._forwards` (the forwards) and :mod:`._patch` (``patch()``); imports neither.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import threading
+
+from . import _boundaries
+from .errors import UlyssesError
+
+_ATTR = "_tfcompat_patch"          # per patched module: its _State
+_MODEL_ATTR = "_tfcompat_model"    # per model passed to patch(): its record
+_FLASH_KWARGS = _boundaries.FLASH_KWARGS
+_CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "cache_params")
+
+
+
+class _State:
+    """Per patched module. Picklable and deep-copyable: a copy shares the (unpicklable) process group;
+    a pickled copy forgets it and asks to be patched again before a Ulysses step."""
+
+    def __init__(self, kind, family, remove_padding, group, world, saved_forward=None, dummy_visual=True,
+                 slice_inputs=False):
+        self.kind, self.family, self.remove_padding = kind, family, remove_padding
+        self.slice_inputs = slice_inputs  # Ulysses: every rank passes the whole row; the text model slices it
+        self.dummy_visual = dummy_visual
+        self.section = None  # attention modules: mRoPE sections, read from the config once at patch time
+        self.window = None  # attention modules: the sliding window upstream uses on this layer (patch time)
+        self.group, self.world, self.saved_forward = group, world, saved_forward
+        self.group_lost = False
+        self.linear_child = False  # decoder layers: holds a linear-attention mixer (gets a _StepMask)
+
+    def __deepcopy__(self, memo):
+        new = copy.copy(self)
+        new.saved_forward = copy.deepcopy(self.saved_forward, memo)
+        return new
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        if state["group"] is not None:
+            state["group"], state["group_lost"] = None, True
+        return state
+
+    def group_or_raise(self):
+        if self.group_lost:
+            raise UlyssesError(
+                f"tfcompat: this {self.family} model was patched for Ulysses and then pickled or saved; a process "
+                f"group cannot travel with it; call tfcompat.patch(model, ulysses_group=group) again after loading"
+            )
+        return self.group
+
+
+class _PatchedForward:
+    """What a patched module's ``forward`` is: a picklable callable bound to its module, holding the forward
+    it runs by reference (a module-level function of ``_forwards``, pickled by its name)."""
+
+    def __init__(self, module, kind, fn):
+        self.module, self.kind, self.fn = module, kind, fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(self.module, *args, **kwargs)
+
+    @property
+    def __signature__(self):
+        """The signature of the forward this one replaced: HF Trainer filters batch columns by it, and
+        generate() validates its keyword arguments and builds its inputs by it."""
+        state = self.module.__dict__.get(_ATTR)
+        saved = getattr(state, "saved_forward", None)
+        original = saved if saved is not None else type(self.module).forward.__get__(self.module)
+        return inspect.signature(original)
+
+    def __repr__(self):
+        return f"<tfcompat patched {self.kind} forward of {type(self.module).__name__}>"
+
+
+class _Carried(tuple):
+    """``(cos, sin)`` that also carries the step's boundaries down to the layers."""
+
+    step = None
+
+
+class _StepMask:
+    """What a decoder layer that holds a linear-attention mixer passes as ``attention_mask`` in a packed step:
+    the step's boundaries, handed to the mixer through its own call, so a checkpoint wrapper around the mixer
+    alone replays the call with them (the full-attention mixers get theirs through ``_Carried``)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def __repr__(self):
+        return f"<tfcompat packed-step boundaries {list(self.step.bounds)}>"
+
+
+_scope = threading.local()
+
+
+def _scoped():
+    stack = getattr(_scope, "stack", None)
+    return stack[-1] if stack else None
+
+
+class _Scope:
+    def __init__(self, value):
+        self.value = value
+
+    def __enter__(self):
+        stack = getattr(_scope, "stack", None)
+        if stack is None:
+            stack = _scope.stack = []
+        stack.append(self.value)
+
+    def __exit__(self, *exc):
+        _scope.stack.pop()
+
+
+# ----------------------------------------------------------------------------------- helpers
+def _original(module, state, *args, **kwargs):
+    if state.saved_forward is not None:
+        return state.saved_forward(*args, **kwargs)
+    return type(module).forward(module, *args, **kwargs)
+
+
+_SIGNATURES: dict = {}
+
+
+def _signature(cls):
+    sig = _SIGNATURES.get(cls)
+    if sig is None:
+        sig = _SIGNATURES[cls] = inspect.signature(inspect.unwrap(cls.forward))
+    return sig
+
+
+def _arguments(module, args, kwargs):
+    sig = _signature(type(module))
+    try:
+        bound = sig.bind(module, *args, **kwargs)
+    except TypeError:
+        return None
+    out = dict(bound.arguments)
+    out.pop("self", None)
+    for name, value in list(out.items()):
+        if sig.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            out.pop(name)
+            out.update(value)
+    return out
+
+
+
+def _install(module, kind, state, fn):
+    _uninstall(module)  # never wrap our own forward: patching again replaces
+    state.saved_forward = module.__dict__.get("forward")
+    setattr(module, _ATTR, state)
+    module.forward = _PatchedForward(module, kind, fn)
+
+
+def _uninstall(module):
+    state = module.__dict__.pop(_ATTR, None)
+    if not isinstance(state, _State):
+        return
+    if state.saved_forward is not None:
+        module.forward = state.saved_forward
+    else:
+        module.__dict__.pop("forward", None)
+
+
+def _is_wrapper(module):
+    """torch's activation-checkpoint / offload wrappers (``checkpoint_wrapper``): they replay their module's call."""
+    return hasattr(module, "_checkpoint_wrapped_module")
+
+
+def _unwrapped_children(module):
+    """The children of ``module``, each seen through the checkpoint wrappers around it (a wrapper applied to the
+    mixers before patch(): the decoder layer still holds the mixer)."""
+    for child in module.children():
+        while _is_wrapper(child):
+            child = child._checkpoint_wrapped_module
+        yield child
+
+
+def _patched_as(module):
+    state = module.__dict__.get(_ATTR)
+    fwd = module.__dict__.get("forward")
+    if isinstance(state, _State) and isinstance(fwd, _PatchedForward) and fwd.module is module:
+        return state
+    return None
+
+
