@@ -8,7 +8,7 @@ import pytest
 from packaging.version import Version
 
 import tfcompat
-from tfcompat import _resolve
+from tfcompat import _resolve, _source
 from tfcompat._families import FAMILIES as SPECS
 from tfcompat.varlen import flash_attn_available
 from tfcompat.version import is_transformers_version_in_range, transformers_version
@@ -122,7 +122,7 @@ def test_probes_without_source_use_declared_facts_or_fail(monkeypatch, name):
         raise OSError("could not get source code")
 
     monkeypatch.setattr(inspect, "getsource", no_source)
-    monkeypatch.setattr(_resolve, "_read", lambda module: None)  # no .py file: the module is imported
+    monkeypatch.setattr(_source, "_read", lambda module: None)  # no .py file: the module is imported
     try:
         if "probe-only" in (SPECS[name].default_mrope_section, SPECS[name].reads_partial_rotary):
             # changed between releases: no fact to fall back to
@@ -171,7 +171,7 @@ def test_reading_the_files_decides_as_importing_does(monkeypatch, name):
     read = [_resolve.resolve(kind, name) for kind in _resolve.kinds(name)]
     assert isinstance(_resolve._module(SPECS[name].modeling), _resolve._Text)
     tfcompat.clear_cache()
-    monkeypatch.setattr(_resolve, "_read", lambda module: None)
+    monkeypatch.setattr(_source, "_read", lambda module: None)
     try:
         imported = [_resolve.resolve(kind, name) for kind in _resolve.kinds(name)]
         assert isinstance(_resolve._module(SPECS[name].modeling), _resolve._Imported)
