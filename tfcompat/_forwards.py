@@ -271,7 +271,7 @@ def _attention_forward(self, *args, **kwargs):
     from .rope import rotate
     from .varlen import _varlen
 
-    plan = _resolve.resolve("attention.signature", state.family).plan
+    plan = state.plan  # the attention.signature plan, bound at patch time
     _, s, _ = hidden.shape
     d = self.head_dim
     q = self.q_proj(hidden)
@@ -288,7 +288,7 @@ def _attention_forward(self, *args, **kwargs):
     cos, sin = pe
     # out of place: a projection output (or a norm's) may be saved by selective activation checkpointing,
     # which a rotation in place would corrupt. cos/sin are this release's own (checked once per step).
-    q, k = rotate(q, k, cos, sin, state.family, state.section)
+    q, k = rotate(q, k, cos, sin, state.family, state.section, state.rope)
     q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0]
     if group is not None:
         from .ulysses import repeat_kv_for_group, to_heads, to_sequence

@@ -31,6 +31,7 @@ class _State:
         self.dummy_visual = dummy_visual
         self.section = None  # attention modules: mRoPE sections, read from the config once at patch time
         self.window = None  # attention modules: the sliding window upstream uses on this layer (patch time)
+        self.rope = self.plan = None  # attention modules: the rope.apply resolution and attention plan
         self.group, self.world, self.saved_forward = group, world, saved_forward
         self.group_lost = False
         self.linear_child = False  # decoder layers: holds a linear-attention mixer (gets a _StepMask)

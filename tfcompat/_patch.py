@@ -165,6 +165,7 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
                 state.section = rope_parameters(m.config, model_type=fam.name).mrope_section
             if kind == "attention":
                 state.window = windows[id(m)]
+                state.rope, state.plan = resolutions[1], plan
             _install(m, kind, state, FORWARDS[kind])
     if not any(kind in ("text", "attention", "linear") for _, kind in targets) and not dummy_visual:
         targets = []  # remove_padding=False, no group, no dummy forward: nothing to do

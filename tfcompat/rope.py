@@ -310,12 +310,13 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
 
 def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, model_type: str,
-           mrope_section: Optional[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
+           mrope_section: Optional[tuple], resolution: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The patched attention's rotation: out of place, (batch, heads, seq, head_dim), with the cos/sin that
     this release's rotary module returned (its layout was checked once per step, :func:`check_cos`) and
-    sections read at patch time. No per-call validation: the hot path of every layer."""
+    sections and the ``rope.apply`` resolution bound at patch time. No per-call validation or lookup: the
+    hot path of every layer."""
     fam = _family(model_type)
-    res = _resolve.resolve("rope.apply", fam.name)
+    res = resolution if resolution is not None else _resolve.resolve("rope.apply", fam.name)
     chosen = _impl(None)
     if chosen == "upstream":
         return _upstream(res, q, k, cos, sin, mrope_section, 1)
