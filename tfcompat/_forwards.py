@@ -276,7 +276,7 @@ def _attention_forward(self, *args, **kwargs):
     d = self.head_dim
     q = self.q_proj(hidden)
     gate = None
-    if q.shape[-1] == 2 * _heads(self) * d:  # Qwen3.5: query and output gate interleaved per head
+    if plan.gated_query:  # Qwen3-Next, Qwen3.5: query and output gate interleaved per head (a probed fact)
         q, gate = torch.chunk(q.view(1, s, -1, 2 * d), 2, dim=-1)
         gate = gate.reshape(1, s, -1)
     q = q.view(1, s, -1, d)
@@ -311,11 +311,6 @@ def _attention_forward(self, *args, **kwargs):
         out = out * torch.sigmoid(gate)
     out = self.o_proj(out)
     return (out, None, None) if plan.returns == 3 else (out, None)
-
-
-def _heads(module):
-    config = module.config
-    return getattr(module, "num_heads", None) or config.num_attention_heads
 
 
 # ------------------------------------------------------------------------ linear attention

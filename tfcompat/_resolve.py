@@ -264,6 +264,8 @@ class AttentionPlan:
     text_model: str
     four_row_ids: bool
     linear_attention: str
+    #: the query projection also holds an output gate, interleaved per head (Qwen3-Next, Qwen3.5)
+    gated_query: bool = False
 
 
 def _resolve_attention(fam, capability):
@@ -279,11 +281,15 @@ def _resolve_attention(fam, capability):
                   _method(module, text_model, "forward", capability),
                   lambda b: bool(re.search(r"shape\[0\]\s*==\s*4", b)))
     linear = f"{fam.prefix}GatedDeltaNet" if module.has(f"{fam.prefix}GatedDeltaNet") else ""
+    gated = _probe(capability, "whether the query projection carries an output gate", forward,
+                   lambda b: bool(re.search(r"sigmoid\(\s*gate\s*\)", b)))
     ids = ("splits 4-row position ids" if four else
            "takes 3-row position ids only (tfcompat strips the text row)" if fam.vision else "takes 2-D position ids")
     params = forward.params
     reason = f"{fam.attention}.forward({', '.join(params)}) returns a {returns}-tuple; {text_model}.forward {ids}"
-    plan = AttentionPlan(params, returns, text_model, four, linear)
+    if gated:
+        reason += "; q_proj holds the query and a sigmoid output gate per head"
+    plan = AttentionPlan(params, returns, text_model, four, linear, gated)
     return Resolution(capability, "bundled", f"{module.name}.{fam.attention}.forward",
                       reason, str(_version.transformers_version()), plan, (module.name, ""))
 
