@@ -146,7 +146,7 @@ def _bad_cases():
          lambda: _model_call(batch2=True, attention_mask=torch.ones(2, 8, dtype=torch.long)),
          "packed rows must be batch 1"),
         ("model: packed row with a mask of another length",
-         lambda: _model_call(attention_mask=torch.ones(1, 6, dtype=torch.long)), "packed rows must be batch 1"),
+         lambda: _model_call(attention_mask=torch.ones(1, 6, dtype=torch.long)), "and no KV cache"),
         ("model: positions that contradict cu_seq_lens_q",
          lambda: _model_call(cu_seq_lens_q=torch.tensor([0, 4, 8], dtype=torch.int32)), "RoPE and attention"),
         ("model: cu_seq_lens_q as a list", lambda: _model_call(cu_seq_lens_q=[0, 5, 8]), "1-D integer tensor"),
@@ -401,7 +401,7 @@ def models():
     return out
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_fuzz_packed_model_calls(models, data):
     """Random packings, boundary sources and flags: equals the padded oracle, or a TfcompatError."""
@@ -411,25 +411,46 @@ def test_fuzz_packed_model_calls(models, data):
     source = data.draw(st.sampled_from(["ids", "cu", "context", "cu+ids", "three_rows"]))
     use_cache = data.draw(st.sampled_from([None, False, True]))
     train = data.draw(st.booleans())
+    # the classes of the fail-closed issue: two packed rows in a batch with a mask of ones, a mask of another
+    # length, positions that contradict cu_seq_lens_q, transformers' seq_idx
+    fault = data.draw(st.sampled_from([None, None, None, "two_rows_ones_mask", "mask_other_length",
+                                       "positions_contradict_cu", "seq_idx"]))
     rows = [tiny_sequence(name, text=n) for n in lengths]
     ids, mask = padded(rows)
     vision = SPECS[name].vision
-    pk = pack(ids, mask, vision=vision)
+    pk = pk_ids = pack(ids, mask, vision=vision)
     kw = {} if use_cache is None else {"use_cache": use_cache}
-    if source in ("cu", "cu+ids"):
+    if source in ("cu", "cu+ids") or fault == "positions_contradict_cu":
         kw["cu_seq_lens_q"] = pk.cu_seqlens
         kw["max_length_q"] = pk.max_seqlen
     if source != "cu":
         kw["position_ids"] = pk.position_ids if source != "three_rows" or not vision else pk.position_ids[1:]
+    batch_rows = 1
+    if fault == "two_rows_ones_mask" and "position_ids" in kw and "cu_seq_lens_q" not in kw and source != "context":
+        batch_rows = 2
+        pos = kw["position_ids"]
+        kw["position_ids"] = pos.repeat(2, 1) if pos.dim() == 2 else pos.repeat(1, 2, 1)
+        kw["attention_mask"] = torch.ones(2, pk.input_ids.shape[1], dtype=torch.long)
+    elif fault == "mask_other_length":
+        kw["attention_mask"] = torch.ones(1, max(1, pk.input_ids.shape[1] - 1), dtype=torch.long)
+    elif fault == "positions_contradict_cu":
+        total = pk.input_ids.shape[1]
+        text = torch.arange(total).view(1, -1)
+        kw["position_ids"] = text if not vision else torch.cat((text, text.expand(3, -1))).view(4, 1, -1)
+    elif fault == "seq_idx":
+        kw.pop("cu_seq_lens_q", None)
+        kw.pop("max_length_q", None)
+        kw["seq_idx"] = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).view(1, -1)
     patched.train(train)
     plain.train(train)
+    input_ids = pk_ids.input_ids.repeat(batch_rows, 1)
 
     def ours():
         with torch.no_grad():
-            if source == "context":
+            if source == "context" and "cu_seq_lens_q" not in kw and fault != "seq_idx":
                 with packed(pk.cu_seqlens):
-                    return unpack(patched(input_ids=pk.input_ids, **kw).logits, pk)
-            return unpack(patched(input_ids=pk.input_ids, **kw).logits, pk)
+                    return patched(input_ids=input_ids, **kw).logits
+            return patched(input_ids=input_ids, **kw).logits
 
     def oracle():
         with torch.no_grad():
@@ -437,7 +458,11 @@ def test_fuzz_packed_model_calls(models, data):
 
     def check(got, want):
         valid = mask.bool()
-        torch.testing.assert_close(got[valid], want[valid], rtol=1e-4, atol=1e-4)
+        assert got.shape[0] == batch_rows, (fault, tuple(got.shape))
+        for row in range(batch_rows):  # every row of the batch is the packed row: each must equal the oracle
+            mine = unpack(got[row:row + 1], pk)
+            torch.testing.assert_close(mine[valid], want[valid], rtol=1e-4, atol=1e-4,
+                                       msg=lambda m: f"{name} {source} {fault}: {m}")
 
     _outcome("packed model call", ours, oracle, check)
 

@@ -280,11 +280,15 @@ def find_step(state, group, explicit, position_ids, mask, batch, local, device):
     if batch != 1 or valid == "other":
         # rows whose every token is real (no mask, a mask of ones, or a mask of another shape that cannot say
         # otherwise) and whose positions restart hold several sequences: upstream would attend across them
-        if text is not None and (mask is None or mask.dim() == 2):  # a 4-D mask says itself what attends to what
+        if mask is None or mask.dim() == 2:  # a 4-D mask says itself what attends to what
             for row in range(batch):
                 if mask is not None and mask.shape[-1] == local and not bool(mask[row].bool().all()):
                     continue  # padding in this row: upstream masks it exactly
-                if len(starts_of(text[row], None, "position ids")) > 1:
+                if text is None:  # 3-row mRoPE ids: a token at (0, 0, 0) after the first starts a sequence
+                    restarts = bool((position_ids[:, row] == 0).all(dim=0)[1:].any())
+                else:
+                    restarts = len(starts_of(text[row], None, "position ids")) > 1
+                if restarts:
                     found = "no mask" if mask is None else f"an attention_mask of shape {tuple(mask.shape)}"
                     raise PackingError(
                         f"tfcompat: row {row} of a batch of {batch} restarts its positions (several packed "

@@ -49,6 +49,13 @@ def _text_model_forward(self, *args, **kwargs):
     position_ids = a.get("position_ids")
     batch, local = ref.shape[0], ref.shape[1]
     changed = {}
+    mask = a.get("attention_mask")
+    if getattr(mask, "dim", lambda: 0)() == 2 and mask.shape[-1] != local and \
+            not any(a.get(n) is not None for n in _CACHE_NAMES):
+        raise PackingError(
+            f"tfcompat {state.family}: attention_mask of shape {tuple(mask.shape)} for an input of {local} tokens "
+            f"and no KV cache (only a cache makes a mask longer than the input); pass a ({batch}, {local}) mask, "
+            f"or none for a packed row")
     if position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 4 and not plan.four_row_ids:
         changed["position_ids"] = position_ids[1:]  # this release's text model predates the 4-row layout
 
