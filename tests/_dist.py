@@ -36,12 +36,25 @@ def _entry(rank, fn, world, init, args, out):
     os._exit(0)
 
 
+def _start_method(fn):
+    """"forkserver" with torch, transformers, tfcompat and the test module imported once in the server (each
+    worker forks from it instead of importing them again: seconds per worker), where the platform has it;
+    else "spawn". Nothing has touched CUDA or started threads in the server when it forks."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "transformers", "tfcompat",
+                                            "tfcompat.testing", "_dist", fn.__module__])
+    return "forkserver"
+
+
 def spawn(fn, world, *args, timeout=300, collect=False):
     folder = tempfile.mkdtemp(prefix="tfcompat-dist-")
     init = "file://" + os.path.join(folder, "rendezvous")
     out = folder if collect else None
     ctx = mp.start_processes(_entry, args=(fn, world, init, args, out), nprocs=world, join=False,
-                             start_method="spawn")
+                             start_method=_start_method(fn))
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
