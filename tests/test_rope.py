@@ -379,7 +379,13 @@ def test_other_call_shapes_of_upstreams_function(name):
     one_row = (cos[:, 0], sin[:, 0]) if cos.dim() == 4 else (cos[0], sin[0])  # (3, n, d) or (n, d)
     keys = torch.randn(6, 1, q.shape[-1], generator=g)
     for a, b in ((keys, keys.flip(0)), (q[0].transpose(0, 1), k[0].transpose(0, 1))):  # (n, 1, d), (seq, heads, d)
-        want = _grads(lambda x, y: oracle(x, y, *one_row), a, b, torch.ones_like(a), torch.ones_like(b))
+        try:
+            want = _grads(lambda x, y: oracle(x, y, *one_row), a, b, torch.ones_like(a), torch.ones_like(b))
+        except (ValueError, RuntimeError) as exc:  # this release's function takes 4-D q only: a clear refusal
+            with pytest.raises(RopeShapeError, match="own rotary function cannot take"):
+                apply_rope(a, b, *one_row, config=config)
+            print(f"upstream refuses {tuple(a.shape)}: {exc}")
+            continue
         got = _grads(lambda x, y: apply_rope(x, y, *one_row, config=config), a, b, torch.ones_like(a),
                      torch.ones_like(b))
         for w, h in zip(want, got):

@@ -304,7 +304,15 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     fam, res, seq_dim = _prepare(q, k, cos, sin, config, model_type, mrope_section, unsqueeze_dim)
     section = _section(fam, config, mrope_section, res.plan, cos) if res.plan.cos_rows == 3 else None
     chosen = _impl(impl)
-    if chosen == "upstream" or seq_dim is None:
+    if seq_dim is None:  # another call shape: upstream's own formula, or its refusal as a clear error
+        try:
+            return _upstream(res, q, k, cos, sin, section, unsqueeze_dim)
+        except (ValueError, RuntimeError, IndexError, TypeError) as exc:
+            raise RopeShapeError(
+                f"apply_rope for {fam.name}: transformers {res.transformers}'s own rotary function cannot take q "
+                f"{tuple(q.shape)} and k {tuple(k.shape)} with cos {tuple(cos.shape)} ({type(exc).__name__}: "
+                f"{exc}); pass q and k as (batch, heads, seq, head_dim)") from None
+    if chosen == "upstream":
         return _upstream(res, q, k, cos, sin, section, unsqueeze_dim)
     return _rotate(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace=False, impl=chosen)
 
