@@ -59,8 +59,8 @@ def plan_shape(name):
     check` still cover every family's own numbers."""
     fam = FAMILIES[name]
     attention = _resolve.resolve("attention.signature", name).plan
-    text = text_config(tiny_config(name))
-    moe = any("expert" in key and not key.startswith("_") and getattr(text, key, None) for key in vars(text))
+    # MoE routing, read from the family's tiny settings (no config is built at collection time)
+    moe = any("expert" in key and value for key, value in fam.tiny_text.items())
     return (fam.vision, fam.deepstack, bool(fam.tiny_top), moe, attention.params, attention.returns,
             attention.four_row_ids, bool(attention.linear_attention), _resolve.resolve("rope.apply", name).plan)
 
