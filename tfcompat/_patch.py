@@ -151,7 +151,9 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
 
     from ._window import layer_windows
 
-    windows, windows_how = layer_windows(fam, text_config(config), [m for m, kind in targets if kind == "attention"])
+    attention_targets = [m for m, kind in targets if kind == "attention"]
+    windows, windows_how = layer_windows(fam, text_config(config), attention_targets) if attention_targets \
+        else ({}, "no attention patched")
     patched_below = [m for m in model.modules() if _patched_as(m) is not None]
     if not (targets and all(same(m, kind) for m, kind in targets) and len(patched_below) == len(targets)):
         for m in patched_below:
