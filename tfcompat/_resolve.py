@@ -333,10 +333,23 @@ def splits_video_frames(body):
     return "repeat_interleave(video_grid_thw" in body or "video" not in body
 
 
+def _resolve_window(fam, capability):
+    """Named probe: the windowed layers are decided per model at patch() time (``_window``)."""
+    _modeling(fam, capability)
+    text = _read(fam.configuration)
+    has = text is None or "sliding_window" in text
+    reason = ("per model at patch(): this release's text model, built tiny with the model's window settings, runs "
+              "one row with eager attention; PatchRecord.windows lists each layer's window") if has else \
+        "the config has no sliding_window: every layer attends to every earlier key"
+    return Resolution(capability, "probed per model" if has else "none", f"{fam.configuration}.{fam.config_class}",
+                      reason, str(_version.transformers_version()), None, (fam.configuration, fam.config_class))
+
+
 _RESOLVERS = {
     "rope.apply": _resolve_rope_apply,
     "rope.init": _resolve_rope_init,
     "attention.signature": _resolve_attention,
+    "attention.window": _resolve_window,
     "rope_index": _resolve_rope_index,
 }
 
