@@ -14,12 +14,12 @@ import functools
 import re
 import sys
 import threading
-from typing import Optional
 
 from . import version as _version
 from ._compat import transformers4
 from ._families import FAMILIES, PROBE_ONLY
 from ._families import family as _family
+from ._plans import AttentionPlan, RopeIndexPlan, RopeInitPlan, RopePlan  # noqa: F401 (public here)
 from ._source import _Def, _exists, _Imported, _load, _module, _read, _root, _Text  # noqa: F401 (re-exported)
 from .errors import TfcompatError, UnsupportedTransformersError
 
@@ -66,39 +66,6 @@ class Resolution:
             "transformers": self.transformers,
             "plan": plan,
         }
-
-
-@dataclasses.dataclass(frozen=True)
-class RopePlan:
-    """How the installed attention of a family applies RoPE.
-
-    rotation: "neox" (halves of the rotary width, ``rotate_half``), "gptj" (adjacent pairs) or
-        "deinterleave" (DeepSeek/MLA: adjacent pairs in, halves out).
-    cos_rows: 3 when cos/sin arrive unfolded as (3, batch, seq, dim) and the attention folds
-        the mRoPE sections itself; 0 when they arrive folded as (batch, seq, dim).
-    gptj_cos: for "gptj": "half" when the attention takes the first half of cos and
-        repeat-interleaves it, "pairs" when cos already repeats each frequency twice.
-    mrope: "none", "contiguous" or "interleaved" (where the sections are folded).
-    """
-
-    rotation: str
-    cos_rows: int
-    gptj_cos: str = ""
-    mrope: str = "none"
-    #: the upstream function rotates one tensor per call, ``fn(x, cos, sin)`` (GLM-5 on 5.3-5.5)
-    single: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeInitPlan:
-    """How the installed rotary module of a family builds ``inv_freq``."""
-
-    #: "rope_parameters" (5.x) or "rope_scaling" (4.x): where the config keeps the RoPE dict
-    config_key: str
-    #: whether the default init honours partial_rotary_factor
-    reads_partial_rotary: bool
-    #: mrope_section the rotary module falls back to (None: no fallback)
-    default_mrope_section: Optional[tuple] = None
 
 
 _lock = threading.RLock()
@@ -255,19 +222,6 @@ def _resolve_rope_init(fam, capability):
                       (module.name, fam.rotary))
 
 
-@dataclasses.dataclass(frozen=True)
-class AttentionPlan:
-    """What the installed text attention and text model of a family look like to the patched forwards."""
-
-    params: tuple
-    returns: int
-    text_model: str
-    four_row_ids: bool
-    linear_attention: str
-    #: the query projection also holds an output gate, interleaved per head (Qwen3-Next, Qwen3.5)
-    gated_query: bool = False
-
-
 def _resolve_attention(fam, capability):
     module = _modeling(fam, capability)
     forward = _method(module, fam.attention, "forward", capability)
@@ -292,17 +246,6 @@ def _resolve_attention(fam, capability):
     plan = AttentionPlan(params, returns, text_model, four, linear, gated)
     return Resolution(capability, "bundled", f"{module.name}.{fam.attention}.forward",
                       reason, str(_version.transformers_version()), plan, (module.name, ""))
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeIndexPlan:
-    """Where the installed release computes a vision family's mRoPE position ids."""
-
-    #: the class whose ``get_rope_index`` tfcompat.embeds.rope_index calls
-    owner: str
-    #: whether it splits each video grid per frame itself (Qwen3-VL gives every frame its own vision block)
-    splits_frames: bool
-    params: tuple
 
 
 def _resolve_rope_index(fam, capability):
