@@ -141,8 +141,8 @@ def _packed_vs_padded(name, config=None, model=None):
     model = _model(name, config) if model is None else model
     window = getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "sliding_window", None)
     longer = 2 * int(window) + 3 if window and int(window) < 16 else 5  # sequences longer than the window
-    rows = [tiny_sequence(name, text=longer, image=vision),
-            tiny_sequence(name, text=3, image=vision, image_first=True)]
+    rows = [tiny_sequence(name, text=longer, image=vision, config=model.config),
+            tiny_sequence(name, text=3, image=vision, image_first=True, config=model.config)]
     ids, mask = _padded(rows)
     pixels = tiny_pixels(2 if vision else 0)
     ref = model(input_ids=ids, attention_mask=mask, use_cache=False, **_forward_kwargs(model, ids, pixels)).logits
@@ -184,7 +184,7 @@ def _embeds_vs_model(name, images, config=None):
     from .testing import tiny_pixels, tiny_sequence
 
     model = _model(name, config)
-    ids = torch.tensor([tiny_sequence(name, text=5, image=bool(images))])
+    ids = torch.tensor([tiny_sequence(name, text=5, image=bool(images), config=model.config)])
     pixels = tiny_pixels(images)
     text = next(m for m in model.modules() if "layers" in m._modules and "embed_tokens" in m._modules)
     seen = {}

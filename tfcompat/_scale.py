@@ -9,7 +9,7 @@ pattern), attention biases, MoE routing (top-k, normalisation, sparse steps), ti
 Made tiny: hidden and MLP widths, expert count and widths, layer count, the vocabulary (256 tokens: the token
 ids of images and videos are renumbered into it; ids decide no RoPE or attention number) and the vision tower
 (the tiny one of the family: a tower's widths and depth do not reach the text model's positions, its merge
-size does and is kept equal).
+size does and is kept: 1, 2 or 4).
 """
 
 from __future__ import annotations
@@ -115,17 +115,19 @@ def scaled_config(config: Any) -> tuple[Any, dict]:
             if getattr(text, k, None):
                 overrides[k] = small
     if fam.vision:
-        vision = getattr(config, "vision_config", None)
-        merge = getattr(vision, "spatial_merge_size", None)
-        tiny_merge = getattr(getattr(tiny_config(fam.name), "vision_config", None), "spatial_merge_size", None)
-        if merge is not None and tiny_merge is not None and merge != tiny_merge:
-            raise ConfigError(f"tfcompat check: spatial_merge_size {merge} (the tiny tower merges {tiny_merge}); "
-                              f"the scaled model would place image tokens differently")
+        merge = getattr(getattr(config, "vision_config", None), "spatial_merge_size", None)
+        if merge is not None:
+            if int(merge) not in (1, 2, 4):
+                raise ConfigError(f"tfcompat check: spatial_merge_size {merge}: the scaled tower's 4x4-patch "
+                                  f"images merge by 1, 2 or 4 only")
+            overrides["vision_config"] = {"spatial_merge_size": int(merge)}
     try:
         scaled = tiny_config(fam.name, **overrides)
     except Exception as exc:
         raise ConfigError(f"tfcompat check: the {fam.name} config class of this release refuses the scaled "
                           f"settings {sorted(overrides)}: {type(exc).__name__}: {exc}") from None
     shown = {k: v for k, v in overrides.items() if k in KEPT or k in ("layer_types",)}
+    if "vision_config" in overrides:
+        shown["vision.spatial_merge_size"] = overrides["vision_config"]["spatial_merge_size"]
     shown.update(heads=f"{heads}/{kv} -> {small_kv * ratio}/{small_kv}", layers=f"{text.num_hidden_layers} -> {layers}")
     return scaled, shown

