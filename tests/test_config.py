@@ -7,9 +7,10 @@ import torch
 
 from tfcompat._families import FAMILIES as SPECS
 from tfcompat.config import rope_parameters, text_config
+from tfcompat.errors import ConfigError
 from tfcompat.testing import TINY_SECTIONS, tiny_config
 
-from _helpers import rotary, rotary_families
+from _helpers import installed, rotary, rotary_families
 
 FAMILIES = rotary_families()
 
@@ -83,3 +84,29 @@ def test_rope_parameters_pickle_deepcopy_and_asdict():
     assert dataclasses.asdict(rp)["rope_theta"] == rp.rope_theta and hash(rp) == hash(copy.deepcopy(rp))
     with pytest.raises(TypeError, match="read-only"):
         rp.scaling["factor"] = 2.0
+
+
+def test_a_rope_type_the_rotary_module_cannot_build_is_refused():
+    """A RoPE dict shared between the text and the vision config: on releases whose vision config defaults
+    to the 'axial' type, standardising it in place turns the text config's type into 'axial', which the text
+    rotary module cannot build (KeyError). Upstream cannot run it; tfcompat says why instead of reporting it."""
+    from tfcompat.config import rope_parameters
+
+    if "qwen3_vl" not in installed():
+        pytest.skip("no qwen3_vl in this release")
+    from transformers import Qwen3VLConfig
+    from transformers.models.qwen3_vl import modeling_qwen3_vl
+
+    shared = {"rope_type": "default", "mrope_section": [2, 1, 1], "mrope_interleaved": True, "rope_theta": 1e4}
+    text = {"head_dim": 8, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2}
+    text_rotary = modeling_qwen3_vl.Qwen3VLTextRotaryEmbedding
+    key = "rope_parameters" if hasattr(text_rotary, "compute_default_rope_parameters") else "rope_scaling"
+    config = Qwen3VLConfig(text_config={**text, key: shared}, vision_config={"rope_parameters": shared})
+    try:
+        text_rotary(config=config.text_config)
+    except Exception as exc:  # upstream cannot build it on this release
+        with pytest.raises(ConfigError, match="rope_type 'axial'.*own dict"):
+            rope_parameters(config)
+        assert isinstance(exc, KeyError)
+    else:
+        assert rope_parameters(config).mrope_section == (2, 1, 1)

@@ -13,6 +13,7 @@ release's config class, as the tester does. Per config:
   packed row against upstream on the padded batch among them (sequences longer than a tester's window).
 """
 
+import copy
 import inspect
 import json
 import pathlib
@@ -29,17 +30,14 @@ TESTERS = sorted(p for p in DATA.glob("*.json") if not p.name.startswith("_"))
 _ROPE_CHECKS = ("config.rope_parameters", "rope.native.fp32", "rope.inplace.fp32", "rope.native.bf16")
 
 
-def _kwargs(doc, config_class):
-    """What the tester passes to the config class on this release."""
-    if "kwargs" in doc:
-        return dict(doc["kwargs"])
-    base = json.loads((DATA / "_causal_lm_tester.json").read_text())["attributes"]
-    attrs = {**base, **doc["causal_lm"]}
-    attrs["head_dim"] = attrs["hidden_size"] // attrs["num_attention_heads"]
+def _matching(attrs, config_class, forced=()):
+    """The testers' get_config rule: every attribute named like a parameter of the config class's __init__ (or
+    like the attribute_map alias of one)."""
     names = list(inspect.signature(config_class.__init__).parameters)
     alias = {v: k for k, v in getattr(config_class, "attribute_map", {}).items()}
+    attrs = copy.deepcopy(attrs)  # each sub-config its own dicts: config classes standardise them in place
     out = {}
-    for key in names + ["pad_token_id"]:
+    for key in names + list(forced):
         if key in attrs and key != "self":
             out[key] = attrs[key]
         elif key in alias and alias[key] in attrs:
@@ -47,10 +45,30 @@ def _kwargs(doc, config_class):
     return out
 
 
+def _kwargs(doc, config_class):
+    """What the tester passes to the config class on this release."""
+    if "kwargs" in doc:
+        return dict(doc["kwargs"])
+    base = json.loads((DATA / "_causal_lm_tester.json").read_text())["attributes"]
+    if "causal_lm" in doc:  # CausalLMModelTester
+        attrs = {**base, **doc["causal_lm"]}
+        attrs.setdefault("head_dim", attrs["hidden_size"] // attrs["num_attention_heads"])
+        if "head_dim" not in doc["causal_lm"]:
+            attrs["head_dim"] = attrs["hidden_size"] // attrs["num_attention_heads"]
+        return _matching(attrs, config_class, forced=("pad_token_id",))
+    # VLMModelTester: the same defaults and rule, per sub-config; the tester's get_config names the top level
+    attrs = {**base, **doc["vlm"]}
+    if "head_dim" not in doc["vlm"]:
+        attrs["head_dim"] = attrs["hidden_size"] // attrs["num_attention_heads"]
+    subs = config_class.sub_configs
+    vision = doc.get("vision") or _matching(attrs, subs["vision_config"])
+    return {"text_config": _matching(attrs, subs["text_config"]), "vision_config": vision, **doc["top"]}
+
+
 def _tester_config(path):
     from transformers import CONFIG_MAPPING
 
-    name = path.stem
+    name = path.stem.split("--")[0]  # "<family>--<variant>": another release's version of the tester
     if name not in installed():
         pytest.skip(f"transformers of this environment has no {name}")
     config_class = CONFIG_MAPPING[name]
@@ -64,11 +82,11 @@ def _tester_config(path):
 def test_every_served_family_has_a_tester_config():
     from tfcompat._families import FAMILIES
 
-    have = {p.stem for p in TESTERS}
+    have = {p.stem.split("--")[0] for p in TESTERS}
     assert len(have) >= 9
     for path in TESTERS:
         doc = json.loads(path.read_text())
-        assert path.stem in FAMILIES and doc["source"].startswith("huggingface/transformers")
+        assert path.stem.split("--")[0] in FAMILIES and doc["source"].startswith("huggingface/transformers")
     missing = sorted(set(FAMILIES) - have - {"llama", "glm"})
     assert not missing or len(have) >= 9, missing
 

@@ -217,9 +217,19 @@ def _resolve_rope_init(fam, capability):
                      _NO_FACT if declared == PROBE_ONLY else declared)
     if section:
         reason += f"; rotary module defaults mrope_section to {list(section)}"
-    plan = RopeInitPlan(config_key=key, reads_partial_rotary=reads_partial, default_mrope_section=section)
+    plan = RopeInitPlan(config_key=key, reads_partial_rotary=reads_partial, default_mrope_section=section,
+                        rope_types=_rope_types())
     return Resolution(capability, impl, source, reason, str(_version.transformers_version()), plan,
                       (module.name, fam.rotary))
+
+
+def _rope_types():
+    """"default" and every rope type the release's ROPE_INIT_FUNCTIONS can build."""
+    try:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    except ImportError:  # a release without the table builds the default rope only
+        return ("default",)
+    return tuple(dict.fromkeys(("default", *sorted(ROPE_INIT_FUNCTIONS))))
 
 
 def _resolve_attention(fam, capability):
