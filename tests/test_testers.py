@@ -79,7 +79,6 @@ def _config_class(family_type, model_type):
 
 
 def _tester_config(path):
-    from transformers import CONFIG_MAPPING
 
     name = path.stem.split("--")[0]  # "<family>--<variant>": another release's version of the tester
     if name not in installed():

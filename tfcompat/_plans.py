@@ -35,8 +35,6 @@ class RopeInitPlan:
     reads_partial_rotary: bool
     #: mrope_section the rotary module falls back to (None: no fallback)
     default_mrope_section: Optional[tuple] = None
-    #: the rope types it can build: "default" and the keys of the release's ROPE_INIT_FUNCTIONS
-    rope_types: tuple = ("default",)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -79,6 +79,7 @@ def clear_cache():
         _version.transformers_version.cache_clear()
         _module.cache_clear()
         _root.cache_clear()
+        rope_types.cache_clear()
 
 
 _NO_FACT = object()
@@ -217,14 +218,15 @@ def _resolve_rope_init(fam, capability):
                      _NO_FACT if declared == PROBE_ONLY else declared)
     if section:
         reason += f"; rotary module defaults mrope_section to {list(section)}"
-    plan = RopeInitPlan(config_key=key, reads_partial_rotary=reads_partial, default_mrope_section=section,
-                        rope_types=_rope_types())
+    plan = RopeInitPlan(config_key=key, reads_partial_rotary=reads_partial, default_mrope_section=section)
     return Resolution(capability, impl, source, reason, str(_version.transformers_version()), plan,
                       (module.name, fam.rotary))
 
 
-def _rope_types():
-    """"default" and every rope type the release's ROPE_INIT_FUNCTIONS can build."""
+@functools.lru_cache(maxsize=None)
+def rope_types():
+    """"default" and every rope type the release's ROPE_INIT_FUNCTIONS can build (read when a config is, never
+    by ``report``)."""
     try:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     except ImportError:  # a release without the table builds the default rope only

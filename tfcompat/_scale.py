@@ -78,6 +78,19 @@ def _layer_count(text) -> int:
     return min(total, need, _MAX_LAYERS)
 
 
+def _rope_facts(config: Any) -> Any:
+    """The RoPE facts of ``config`` that decide every rotary number (None: a decoder without RoPE)."""
+    from ._families import family
+    from .config import rope_parameters
+
+    if family(config).nope:
+        return None
+    rp = rope_parameters(config)
+    return {"rope_type": rp.rope_type, "rope_theta": rp.rope_theta, "head_dim": rp.head_dim,
+            "rotary_dim": rp.rotary_dim, "partial_rotary_factor": rp.partial_rotary_factor,
+            "mrope_section": rp.mrope_section, "scaling": dict(rp.scaling)}
+
+
 def scaled_config(config: Any) -> tuple[Any, dict]:
     """``(tiny config of the same family, what was kept)`` for a loaded config."""
     from ._families import family
@@ -86,6 +99,7 @@ def scaled_config(config: Any) -> tuple[Any, dict]:
 
     fam = family(config)
     text = text_config(config)
+    want = _rope_facts(config)  # what the user's model computes; the scaled one must compute the same
     heads = int(text.num_attention_heads)
     kv = int(getattr(text, "num_key_value_heads", None) or heads)
     if heads % kv:
@@ -114,6 +128,9 @@ def scaled_config(config: Any) -> tuple[Any, dict]:
         for k in ("num_experts", "n_routed_experts", "num_local_experts"):
             if getattr(text, k, None):
                 overrides[k] = small
+    if want is not None and "partial_rotary_factor" not in kept:
+        # not set by the user: the release's default for this config, never the tiny config's own factor
+        overrides["partial_rotary_factor"] = want["partial_rotary_factor"]
     if fam.vision:
         merge = getattr(getattr(config, "vision_config", None), "spatial_merge_size", None)
         if merge is not None:
@@ -126,6 +143,11 @@ def scaled_config(config: Any) -> tuple[Any, dict]:
     except Exception as exc:
         raise ConfigError(f"tfcompat check: the {fam.name} config class of this release refuses the scaled "
                           f"settings {sorted(overrides)}: {type(exc).__name__}: {exc}") from None
+    got = _rope_facts(scaled)
+    differ = sorted(k for k in (want or {}) if got is not None and got[k] != want[k])
+    if differ:
+        raise ConfigError(f"tfcompat check: the scaled-down {fam.name} model would compute RoPE differently "
+                          f"({', '.join(f'{k}: {want[k]} -> {got[k]}' for k in differ)}); nothing was checked")
     shown = {k: v for k, v in overrides.items() if k in KEPT or k in ("layer_types",)}
     if "vision_config" in overrides:
         shown["vision.spatial_merge_size"] = overrides["vision_config"]["spatial_merge_size"]

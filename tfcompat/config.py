@@ -121,10 +121,10 @@ def rope_parameters(config: Any, *, model_type: Optional[str] = None) -> RopePar
     rope_type = raw.get("rope_type", raw.get("type", "default")) or "default"
     if rope_type == "mrope":  # Qwen2-VL configs spell the default type "mrope"
         rope_type = "default"
-    if rope_type not in init.rope_types:
+    if rope_type not in _resolve.rope_types():
         raise ConfigError(
             f"rope_parameters({type(config).__name__}): rope_type {rope_type!r} in {key}; the rotary module of "
-            f"transformers {resolution.transformers} builds {list(init.rope_types)} and raises on it; set the "
+            f"transformers {resolution.transformers} builds {list(_resolve.rope_types())} and raises on it; set the "
             f"rope_type the checkpoint was trained with (a dict shared with the vision config picks up its "
             f"'axial' type: give each sub-config its own dict)"
         )
