@@ -315,7 +315,8 @@ def test_fuzz_apply_rope(name, qb, cb1, seq, heads, layout, dtype, inplace, faul
             assert a.shape == b.shape and a.dtype == b.dtype
             torch.testing.assert_close(a, b, **TOL[a.dtype])
 
-    _outcome("apply_rope", ours, lambda: upstream_rope(name, config)(q, k, cos, sin, unsqueeze_dim=layout), check)
+    _outcome(f"apply_rope/{fault or 'clean'}", ours,
+             lambda: upstream_rope(name, config)(q, k, cos, sin, unsqueeze_dim=layout), check)
 
 
 def _ref_attention(q, k, v, bounds):
@@ -353,7 +354,8 @@ def test_fuzz_varlen_attention(lengths, heads, kv, fault):
     def check(got, want):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
-    _outcome("varlen_attention", lambda: varlen_attention(q, k, v, cu), lambda: _ref_attention(q, k, v, bounds), check)
+    _outcome(f"varlen_attention/{fault or 'clean'}", lambda: varlen_attention(q, k, v, cu),
+             lambda: _ref_attention(q, k, v, bounds), check)
 
 
 @settings(**SETTINGS)
@@ -464,10 +466,12 @@ def test_fuzz_packed_model_calls(models, data):
             torch.testing.assert_close(mine[valid], want[valid], rtol=1e-4, atol=1e-4,
                                        msg=lambda m: f"{name} {source} {fault}: {m}")
 
-    _outcome("packed model call", ours, oracle, check)
+    _outcome(f"packed model call/{fault or 'clean'}", ours, oracle, check)
 
 
 def test_zz_fuzz_outcomes_are_reported():
     """Print the outcome classes of the property-based runs (the closing note quotes them)."""
-    print("\nfuzz outcomes:", dict(OUTCOMES))
+    print("\nfuzz outcomes (kind/fault class, outcome): count")
+    for key, count in sorted(OUTCOMES.items()):
+        print(f"  {key}: {count}")
     assert OUTCOMES, "the property-based tests did not run"
