@@ -43,7 +43,7 @@ def clear_cache() -> None:
 
 
 def patch(model: Any, *, remove_padding: bool = True, ulysses_group: Any = None, dummy_visual: bool = True,
-          slice_inputs: bool = False) -> Any:
+          slice_inputs: bool = False, context_group: Any = None) -> Any:
     """Patch a loaded GLM/Qwen model instance for packed sequences and Ulysses sequence parallelism.
 
     Args:
@@ -55,10 +55,15 @@ def patch(model: Any, *, remove_padding: bool = True, ulysses_group: Any = None,
         dummy_visual: vision-language models only: on a text-only batch in training mode, run the
             vision tower on the smallest valid input and add one zero-weighted scalar to the token
             embeddings, so every vision weight gets a zero (not None) gradient on every rank.
-        slice_inputs: with ``ulysses_group``: every rank passes the whole packed row (ids, positions,
-            pixels) to the model, which embeds it, keeps this rank's slice (vision tokens, deepstack
-            features and positions included) and returns this rank's slice of the outputs (verl's VLM
-            call). Without it, each rank passes its own slice, and a whole row on every rank is refused.
+        slice_inputs: with ``ulysses_group`` or ``context_group``: every rank passes the whole packed row
+            (ids, positions, pixels) to the model, which embeds it, keeps this rank's share (vision tokens,
+            deepstack features and positions included) and returns this rank's share of the outputs
+            (verl's VLM call). Without it, each rank passes its own share, and a whole row is refused.
+        context_group: a ``torch.distributed`` process group for context parallelism: each rank holds two
+            chunks of the packed row (chunk ``r`` and ``2c - 1 - r`` of ``2c``: equal causal work per rank;
+            :func:`tfcompat.ulysses.slice_inputs` / ``slice_for_rank`` with ``context_group=`` cut them) and
+            every attention layer gathers the whole row's keys and values. Any number of ranks, whatever
+            the head count. Not yet together with ``ulysses_group``; refused for linear-attention families.
 
     Returns:
         a :class:`PatchRecord` of what is patched now. Patching again with the same options
@@ -78,7 +83,7 @@ def patch(model: Any, *, remove_padding: bool = True, ulysses_group: Any = None,
     from . import _patch
 
     return _patch.patch(model, remove_padding=remove_padding, ulysses_group=ulysses_group, dummy_visual=dummy_visual,
-                        slice_inputs=slice_inputs)
+                        slice_inputs=slice_inputs, context_group=context_group)
 
 
 def unpatch(model: Any) -> bool:

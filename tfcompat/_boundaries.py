@@ -25,6 +25,8 @@ class Step:
     bounds: tuple         # the same as Python ints
     max_len: int
     total: int
+    #: per-step values the layers compute once (context parallel: each rank's attention pieces)
+    memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 def make_step(cu, total, max_len=None, what="boundaries"):
@@ -155,7 +157,7 @@ def slice_whole_row(module, state, a, explicit, group):
                            f"(tfcompat.packing.pack) and pass the packed row with no mask")
     check_ulysses_lengths(total, batch, group, state, embeds, position_ids, whole=True)
     extra = {k: a.get(k) for k in ("visual_pos_masks", "deepstack_visual_embeds") if a.get(k) is not None}
-    local = slice_inputs(embeds, position_ids, group=group, **extra)
+    local = slice_inputs(embeds, position_ids, **{"context_group" if state.context else "group": group}, **extra)
     a.update(local, input_ids=None, attention_mask=None)
     if "cache_position" in a:
         a["cache_position"] = None  # upstream counts it from the slice
@@ -303,7 +305,7 @@ def find_step(state, group, explicit, position_ids, mask, batch, local, device):
         if valid is not None:
             raise UlyssesError(f"tfcompat {state.family}: a Ulysses shard with padding in attention_mask; pack the "
                                f"rows (tfcompat.packing.pack) and slice the packed row")
-        rows = gather_from_ranks(rows.contiguous(), dim=1, group=group)
+        rows = gather_from_ranks(rows.contiguous(), dim=1, **{"context_group" if state.context else "group": group})
     if text is None:
         # 3-row mRoPE ids: the temporal row repeats and even goes down inside one sequence (an image's
         # temporal positions can exceed the text after it), so it never marks boundaries. Only a token at

@@ -297,6 +297,22 @@ def _attention_forward(self, *args, **kwargs):
     # which a rotation in place would corrupt. cos/sin are this release's own (checked once per step).
     q, k = rotate(q, k, cos, sin, state.family, state.section, state.rope)
     q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0]
+    dropout = self.attention_dropout if self.training else 0.0
+    scale = getattr(self, "scaling", None) or d ** -0.5
+    if state.context:
+        from ._context import attend, pieces
+
+        if "context" not in step.memo:  # once per step: Python ints only
+            import torch.distributed as dist
+
+            step.memo["context"] = pieces(step, dist.get_rank(group), state.world, q.shape[0])
+        out = attend(q, k, v, step, step.memo["context"], group, scale=scale, window=state.window,
+                     dropout_p=dropout)
+        out = out.reshape(1, s, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        out = self.o_proj(out)
+        return (out, None, None) if plan.returns == 3 else (out, None)
     if group is not None:
         from .ulysses import repeat_kv_for_group, to_heads, to_sequence
 
@@ -307,8 +323,6 @@ def _attention_forward(self, *args, **kwargs):
     if step.total != q.shape[0]:
         raise PackingError(f"tfcompat attention: boundaries cover {step.total} tokens but the layer sees "
                            f"{q.shape[0]}; pass boundaries of the whole (gathered) packed row")
-    dropout = self.attention_dropout if self.training else 0.0
-    scale = getattr(self, "scaling", None) or d ** -0.5
     out = _varlen(q, k, v, step.cu, step.bounds, step.max_len, causal=True, softmax_scale=scale,
                   window=state.window, dropout_p=dropout)
     if group is not None:

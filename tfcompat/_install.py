@@ -25,8 +25,9 @@ class _State:
     a pickled copy forgets it and asks to be patched again before a Ulysses step."""
 
     def __init__(self, kind, family, remove_padding, group, world, saved_forward=None, dummy_visual=True,
-                 slice_inputs=False):
+                 slice_inputs=False, context=False):
         self.kind, self.family, self.remove_padding = kind, family, remove_padding
+        self.context = context  # the group splits the row by context parallelism (zigzag chunks), not Ulysses
         self.slice_inputs = slice_inputs  # Ulysses: every rank passes the whole row; the text model slices it
         self.dummy_visual = dummy_visual
         self.section = None  # attention modules: mRoPE sections, read from the config once at patch time

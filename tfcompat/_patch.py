@@ -69,7 +69,7 @@ class PatchRecord:
 
 
 def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group: Any = None,
-          dummy_visual: bool = True, slice_inputs: bool = False) -> PatchRecord:
+          dummy_visual: bool = True, slice_inputs: bool = False, context_group: Any = None) -> PatchRecord:
     """The implementation of :func:`tfcompat.patch` (documented there)."""
     import torch
 
@@ -93,10 +93,22 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
     linear_cls = getattr(module, plan.linear_attention) if plan.linear_attention else None
 
     world = 1
-    if slice_inputs and ulysses_group is None:
-        raise UlyssesError("tfcompat.patch: slice_inputs=True slices a whole row over the Ulysses group; pass "
-                           "ulysses_group=group with it (or leave slice_inputs off)")
-    if ulysses_group is not None:
+    context = context_group is not None
+    if context and ulysses_group is not None:
+        raise UlyssesError("tfcompat.patch: ulysses_group and context_group together (a 2-D split) are not served "
+                           "yet; pass one of them: context_group alone splits the row over any number of ranks")
+    if slice_inputs and ulysses_group is None and not context:
+        raise UlyssesError("tfcompat.patch: slice_inputs=True slices a whole row over the Ulysses (or context) "
+                           "group; pass ulysses_group=group or context_group=group with it (or leave it off)")
+    if context:
+        import torch.distributed as dist
+
+        if linear_cls is not None:
+            raise UlyssesError(f"context parallel: {fam.name} has linear-attention (Gated DeltaNet) layers whose "
+                               f"recurrent state runs along the sequence from rank to rank; tfcompat does not pass "
+                               f"it between ranks yet; use context_group=None")
+        ulysses_group, world = context_group, dist.get_world_size(context_group)  # the sequence group
+    elif ulysses_group is not None:
         import torch.distributed as dist
 
         world = dist.get_world_size(ulysses_group)
@@ -147,7 +159,7 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
         st = _patched_as(m)
         return st is not None and st.kind == kind and st.remove_padding == remove_padding and \
             st.group is ulysses_group and not st.group_lost and st.dummy_visual == dummy_visual and \
-            st.slice_inputs == slice_inputs
+            st.slice_inputs == slice_inputs and st.context == context
 
     from ._window import layer_windows
 
@@ -160,7 +172,7 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
             _uninstall(m)
         for m, kind in targets:
             state = _State(kind, fam.name, remove_padding, ulysses_group, world, dummy_visual=dummy_visual,
-                           slice_inputs=slice_inputs)
+                           slice_inputs=slice_inputs, context=context)
             if kind == "layer" and linear_cls is not None:
                 state.linear_child = any(isinstance(c, linear_cls) for c in m.modules())
             if kind == "attention" and resolutions[1].plan.cos_rows == 3:

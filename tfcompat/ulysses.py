@@ -138,8 +138,20 @@ def padded_length(length: int, group_size: int) -> int:
     return -(-length // group_size) * group_size
 
 
-def slice_for_rank(x: torch.Tensor, dim: int = 1, group: Any = None, pad_value: float = 0) -> torch.Tensor:
-    """Pad ``x`` along ``dim`` to a multiple of the group size and return this rank's slice."""
+def _one_group(group, context_group, what):
+    if group is not None and context_group is not None:
+        raise UlyssesError(f"{what}: group and context_group together (a 2-D split) are not served yet; pass one")
+
+
+def slice_for_rank(x: torch.Tensor, dim: int = 1, group: Any = None, pad_value: float = 0, *,
+                   context_group: Any = None) -> torch.Tensor:
+    """Pad ``x`` along ``dim`` to a multiple of the group size and return this rank's slice; with
+    ``context_group``, this rank's two chunks of the context-parallel layout (see :func:`tfcompat.patch`)."""
+    _one_group(group, context_group, "slice_for_rank")
+    if context_group is not None:
+        from ._context import slice_rows
+
+        return slice_rows(x, dim, context_group, pad_value)
     p, rank = _size(group), dist.get_rank(group)
     n = x.shape[dim]
     total = padded_length(n, p)
@@ -167,15 +179,23 @@ class _Gather(torch.autograd.Function):
         return grad.narrow(ctx.dim, rank * step, step).contiguous(), None, None
 
 
-def gather_from_ranks(x: torch.Tensor, dim: int = 1, group: Any = None, length: Optional[int] = None) -> torch.Tensor:
-    """Concatenate every rank's slice along ``dim`` (and drop padding beyond ``length``)."""
-    out = _Gather.apply(x, dim, group)
+def gather_from_ranks(x: torch.Tensor, dim: int = 1, group: Any = None, length: Optional[int] = None, *,
+                      context_group: Any = None) -> torch.Tensor:
+    """Concatenate every rank's slice along ``dim`` (and drop padding beyond ``length``); with
+    ``context_group``, put every rank's two chunks back in row order."""
+    _one_group(group, context_group, "gather_from_ranks")
+    if context_group is not None:
+        from ._context import gather_rows
+
+        out = gather_rows(x, dim, context_group)
+    else:
+        out = _Gather.apply(x, dim, group)
     return out if length is None else out.narrow(dim, 0, length)
 
 
 def slice_inputs(inputs_embeds: torch.Tensor, position_ids: torch.Tensor, *,
                  visual_pos_masks: Optional[torch.Tensor] = None, deepstack_visual_embeds: Optional[list] = None,
-                 group: Any = None) -> Any:
+                 group: Any = None, context_group: Any = None) -> Any:
     """This rank's share of a packed row, for the text decoder stack of a patched model.
 
     Args:
@@ -187,19 +207,21 @@ def slice_inputs(inputs_embeds: torch.Tensor, position_ids: torch.Tensor, *,
 
     Returns:
         a dict with the same keys, sliced (padded at the end to a multiple of the group size), ready to
-        pass as keyword arguments to the text model. Gradients flow back to the full tensors.
+        pass as keyword arguments to the text model. Gradients flow back to the full tensors. With
+        ``context_group`` (instead of ``group``): this rank's two chunks of the context-parallel layout.
     """
-    rank = dist.get_rank(group)
+    _one_group(group, context_group, "slice_inputs")
+    which = {"context_group": context_group} if context_group is not None else {"group": group}
     out: dict[str, Any] = {
-        "inputs_embeds": slice_for_rank(inputs_embeds, dim=1, group=group),
-        "position_ids": slice_for_rank(position_ids, dim=position_ids.dim() - 1, group=group),
+        "inputs_embeds": slice_for_rank(inputs_embeds, dim=1, **which),
+        "position_ids": slice_for_rank(position_ids, dim=position_ids.dim() - 1, **which),
     }
     if visual_pos_masks is not None:
-        local = slice_for_rank(visual_pos_masks, dim=1, group=group, pad_value=False)
-        step = local.shape[1]
-        before = int(visual_pos_masks[:, : rank * step].sum())
-        count = int(local.sum())
-        out["visual_pos_masks"] = local
+        out["visual_pos_masks"] = slice_for_rank(visual_pos_masks, dim=1, pad_value=False, **which)
         if deepstack_visual_embeds is not None:
-            out["deepstack_visual_embeds"] = [d.narrow(0, before, count) for d in deepstack_visual_embeds]
+            # the rows of the vision tokens this rank holds, in its order: index them by their place among
+            # the row's vision tokens (each token's rank among them, sliced like the row)
+            order = torch.cumsum(visual_pos_masks.to(torch.int64), dim=1) - 1
+            mine = slice_for_rank(order, dim=1, pad_value=-1, **which)[out["visual_pos_masks"]]
+            out["deepstack_visual_embeds"] = [d.index_select(0, mine) for d in deepstack_visual_embeds]
     return out

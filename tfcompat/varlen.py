@@ -217,16 +217,17 @@ def _sdpa_fallback(q, k, v, bounds, scale, causal, window, dropout_p):
     # kernel for 3-D ones; kv heads are shared through enable_gqa instead of materialised copies
     groups = q.shape[1] // k.shape[1]
     gqa = groups > 1 and _sdpa_has_gqa()
+    # one split per tensor (heads first): its backward is one concatenation of the per-sequence gradients,
+    # where a slice per sequence would allocate and zero-fill a whole-row gradient for each sequence
+    sizes = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
+    parts = zip(*(t.transpose(0, 1).split(sizes, dim=1) for t in (q, k, v)))
     outs = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        qs = q[lo:hi].transpose(0, 1).unsqueeze(0)
-        ks = k[lo:hi].transpose(0, 1).unsqueeze(0)
-        vs = v[lo:hi].transpose(0, 1).unsqueeze(0)
+    for (qs, ks, vs), n in zip(parts, sizes):
+        qs, ks, vs = qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0)
         if groups > 1 and not gqa:
             ks = ks.repeat_interleave(groups, dim=1)
             vs = vs.repeat_interleave(groups, dim=1)
         mask = None
-        n = hi - lo
         if window is not None:
             i = torch.arange(n, device=q.device)
             dist = i[:, None] - i[None, :]

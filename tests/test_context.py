@@ -1,0 +1,255 @@
+"""Context parallelism (``patch(model, context_group=group)``) over 4 gloo ranks: more ranks than key/value
+heads, packed rows whose sequences span chunks and ranks, activation checkpointing, images split across
+ranks, verl's whole-row call, and two AdamW steps equal to the single-process padded run.
+
+The workers are spawned once for the module and run every case; each test asserts its case on every rank.
+"""
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tfcompat
+from tfcompat._families import FAMILIES as SPECS
+from tfcompat.embeds import get_input_embeds, rope_index
+from tfcompat.errors import UlyssesError
+from tfcompat.packing import pack, unpack
+from tfcompat.ulysses import gather_from_ranks, slice_for_rank, slice_inputs
+
+from _dist import assert_ok, merged, run_cases, spawn
+from _helpers import close_to_model, linear_attention, one_per_shape, patchable
+from _models import forward_kwargs, padded, text_model, tiny_model, tiny_pixels, tiny_sequence
+
+pytestmark = pytest.mark.xdist_group("context")
+
+WORLD = 4
+HAVE = patchable()
+# the mechanism on one family per plan shape (every family's numbers: test_patch, `tfcompat check`)
+TEXT = [n for n in one_per_shape(HAVE) if not linear_attention(n)]
+VISION = [n for n in ("qwen2_vl", "qwen3_vl") if n in HAVE]
+
+
+def _rows(name, vision=False):
+    """Sequences of 13, 5 (with an image), 2 and 9 tokens: one longer than a chunk, one shorter than a
+    rank's share, boundaries inside chunks and between ranks."""
+    return [tiny_sequence(name, text=13), tiny_sequence(name, text=5, image=vision), tiny_sequence(name, text=2),
+            tiny_sequence(name, text=9)]
+
+
+def _summed_grads_close(model, ref, rank):
+    failures = []
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        grad = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(grad)
+        want = q.grad if q.grad is not None else torch.zeros_like(q)
+        try:
+            close_to_model(grad, want, f"rank {rank} grad {n}")
+        except AssertionError as exc:
+            failures.append(str(exc)[:400])
+    assert not failures, "\n".join(failures[:3])
+
+
+def _text_worker(rank, world, name, ckpt):
+    """Sliced by context_group (2 kv heads over 4 ranks), checkpointed: logits and every gradient (summed over
+    the ranks) equal the unpatched model on the padded batch."""
+    rows = _rows(name)
+    ids, mask = padded(rows)
+    pk = pack(ids, mask)
+    total = pk.input_ids.shape[1]
+    weights = torch.randn(*ids.shape, 256, generator=torch.Generator().manual_seed(3))
+    ref = tiny_model(name, num_key_value_heads=2)
+    ref.train()
+    want = ref(input_ids=ids, attention_mask=mask).logits
+    (want * weights * mask[..., None]).sum().backward()
+
+    model = tiny_model(name, num_key_value_heads=2)
+    record = tfcompat.patch(model, context_group=dist.group.WORLD)
+    assert record.ulysses_world_size == world
+    model.train()
+    if ckpt:
+        tfcompat.enable_checkpointing(model, reentrant=ckpt == "reentrant")
+    group = dict(context_group=dist.group.WORLD)
+    local_ids = slice_for_rank(pk.input_ids, dim=1, **group)
+    local_pos = slice_for_rank(pk.position_ids, dim=pk.position_ids.dim() - 1, **group)
+    local = model(input_ids=local_ids, position_ids=local_pos).logits
+    got = unpack(gather_from_ranks(local, dim=1, length=total, **group), pk)
+    (got * weights * mask[..., None]).sum().backward()
+    valid = mask.bool()
+    close_to_model(got.detach()[valid], want.detach()[valid], f"rank {rank} logits")
+    _summed_grads_close(model, ref, rank)
+
+
+def _adamw_worker(rank, world, name):
+    """Two AdamW steps: the loss per step and every final parameter equal the single-process padded run (each
+    rank's loss covers its own tokens; the gradients are summed over the ranks, as FSDP/DDP would)."""
+    rows = _rows(name)
+    ids, mask = padded(rows)
+    labels = ids.masked_fill(~mask.bool(), -100)
+    pk = pack(ids, mask)
+    pk_labels = torch.cat([torch.cat((r[1:], torch.tensor([-100]))) for r in
+                           (torch.tensor(x) for x in rows)])[None]
+    ref = tiny_model(name, num_key_value_heads=2)
+    model = tiny_model(name, num_key_value_heads=2)
+    tfcompat.patch(model, context_group=dist.group.WORLD)
+    ref.train()
+    model.train()
+    # eps 1e-4 (as test_training): gradients zero in exact arithmetic are rounding noise, which Adam's
+    # normalisation would blow up to full steps
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
+    group = dict(context_group=dist.group.WORLD)
+    n_tokens = int((pk_labels != -100).sum())
+    for step in range(2):
+        logits = ref(input_ids=ids, attention_mask=mask).logits
+        shift = labels[:, 1:]
+        want = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), shift.reshape(-1),
+                                                 ignore_index=-100, reduction="sum") / n_tokens
+        opt_ref.zero_grad()
+        want.backward()
+        opt_ref.step()
+        local = model(input_ids=slice_for_rank(pk.input_ids, dim=1, **group),
+                      position_ids=slice_for_rank(pk.position_ids, dim=1, **group)).logits
+        local_labels = slice_for_rank(pk_labels, dim=1, pad_value=-100, **group)
+        mine = torch.nn.functional.cross_entropy(local[0], local_labels[0], ignore_index=-100,
+                                                 reduction="sum") / n_tokens
+        opt.zero_grad()
+        mine.backward()
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+        total = mine.detach().clone()
+        dist.all_reduce(total)
+        opt.step()
+        assert abs(float(total) - float(want)) <= 1e-4 * max(1.0, abs(float(want))), (step, float(total),
+                                                                                     float(want))
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        close_to_model(p.detach(), q.detach(), f"rank {rank} param {n} after two AdamW steps")
+
+
+def _vision_worker(rank, world, name):
+    """Embeddings of the full row, then each rank keeps its two chunks (the image spans ranks; Qwen3-VL's
+    deepstack rows follow): the text model's hidden states and every gradient equal the single-process run."""
+    rows = [tiny_sequence(name, text=6), tiny_sequence(name, text=9, image=True), tiny_sequence(name, text=3)]
+    ids, mask = padded(rows)
+    pixels = tiny_pixels(1)
+
+    def embeddings(model):
+        pos3, _ = rope_index(model, ids, image_grid_thw=pixels["image_grid_thw"], attention_mask=mask)
+        pk = pack(ids, mask, pos3)
+        res = get_input_embeds(model, pk.input_ids, **pixels)
+        extra = {}
+        if res.deepstack_visual_embeds is not None:
+            extra = dict(visual_pos_masks=res.visual_pos_masks, deepstack_visual_embeds=res.deepstack_visual_embeds)
+        return pk, res.inputs_embeds, extra
+
+    ref = tiny_model(name)
+    tfcompat.patch(ref)
+    pk, embeds, extra = embeddings(ref)
+    total = pk.input_ids.shape[1]
+    want = text_model(ref)(inputs_embeds=embeds, position_ids=pk.position_ids, use_cache=False, **extra)[0]
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
+    (want * weights).sum().backward()
+
+    model = tiny_model(name)
+    tfcompat.patch(model, context_group=dist.group.WORLD)
+    _, embeds, extra = embeddings(model)
+    local = slice_inputs(embeds, pk.position_ids, context_group=dist.group.WORLD, **extra)
+    hidden = text_model(model)(use_cache=False, **local)[0]
+    got = gather_from_ranks(hidden, dim=1, length=total, context_group=dist.group.WORLD)
+    (got * weights).sum().backward()
+    close_to_model(got.detach(), want.detach(), f"rank {rank} hidden")
+    _summed_grads_close(model, ref, rank)
+
+
+def _whole_row_worker(rank, world, name):
+    """verl's whole-row call under context parallelism: every rank passes the whole packed row; the model
+    keeps its two chunks after embedding and returns their logits."""
+    vision = SPECS[name].vision
+    rows = _rows(name, vision)
+    ids, mask = padded(rows)
+    pixels = tiny_pixels(1) if vision else {}
+    probe = tiny_model(name)
+    if vision:
+        pos3, _ = rope_index(probe, ids, image_grid_thw=pixels["image_grid_thw"], attention_mask=mask)
+        pk = pack(ids, mask, pos3)
+    else:
+        pk = pack(ids, mask)
+    total = pk.input_ids.shape[1]
+    kw = forward_kwargs(probe, pk.input_ids, **pixels)
+    ref = tiny_model(name)
+    tfcompat.patch(ref)
+    ref.train()
+    want = ref(input_ids=pk.input_ids, position_ids=pk.position_ids, **kw).logits
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
+    (want * weights).sum().backward()
+
+    model = tiny_model(name)
+    tfcompat.patch(model, context_group=dist.group.WORLD, slice_inputs=True)
+    model.train()
+    local = model(input_ids=pk.input_ids, position_ids=pk.position_ids, **kw).logits
+    got = gather_from_ranks(local, dim=1, length=total, context_group=dist.group.WORLD)
+    (got * weights).sum().backward()
+    close_to_model(got.detach(), want.detach(), f"rank {rank} logits")
+    _summed_grads_close(model, ref, rank)
+
+
+def _refusals_worker(rank, world):
+    model = tiny_model("qwen2")
+    with pytest.raises(UlyssesError, match="together .* not served yet"):
+        tfcompat.patch(model, ulysses_group=dist.group.WORLD, context_group=dist.group.WORLD)
+    tfcompat.patch(model, context_group=dist.group.WORLD)
+    rows = _rows("qwen2")
+    pk = pack(*padded(rows))
+    with pytest.raises(UlyssesError, match="slice_inputs=True"):  # the whole row on every rank
+        model(input_ids=pk.input_ids, position_ids=pk.position_ids)
+    for name in [n for n in HAVE if linear_attention(n)][:1]:
+        with pytest.raises(UlyssesError, match="linear-attention"):
+            tfcompat.patch(tiny_model(name), context_group=dist.group.WORLD)
+
+
+def _cases(rank, world):
+    cases = []
+    for i, name in enumerate(TEXT):
+        ckpt = ("non_reentrant", "reentrant", None)[i % 3]
+        cases.append((f"text:{name}", functools.partial(_text_worker, rank, world, name, ckpt)))
+    cases.append(("adamw:qwen2", functools.partial(_adamw_worker, rank, world, "qwen2")))
+    for name in VISION:
+        cases.append((f"vision:{name}", functools.partial(_vision_worker, rank, world, name)))
+    for name in [n for n in ("qwen2", "qwen2_vl") if n in HAVE]:
+        cases.append((f"whole_row:{name}", functools.partial(_whole_row_worker, rank, world, name)))
+    cases.append(("refusals", functools.partial(_refusals_worker, rank, world)))
+    return run_cases(rank, cases)
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return merged(spawn(_cases, WORLD, timeout=900, collect=True))
+
+
+@pytest.mark.parametrize("name", TEXT)
+def test_context_parallel_equals_padded(outcomes, name):
+    assert_ok(outcomes, f"text:{name}")
+
+
+def test_two_adamw_steps_equal_the_single_process_run(outcomes):
+    assert_ok(outcomes, "adamw:qwen2")
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_vl"])
+def test_images_split_across_ranks(outcomes, name):
+    if name not in HAVE:
+        pytest.skip("not in this release")
+    assert_ok(outcomes, f"vision:{name}")
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen2_vl"])
+def test_whole_row_call(outcomes, name):
+    if name not in HAVE:
+        pytest.skip("not in this release")
+    assert_ok(outcomes, f"whole_row:{name}")
+
+
+def test_refusals(outcomes):
+    assert_ok(outcomes, "refusals")

@@ -1,0 +1,134 @@
+"""Context parallelism: a packed row split over the ranks of a ``context_group``, every rank attending its
+queries to the keys and values of the whole row (gathered once per layer, llama3-style).
+
+Layout ("zigzag", causal load balance): the row, padded to a multiple of ``2 * c``, is cut into ``2 * c``
+equal chunks; rank ``r`` holds chunk ``r`` and chunk ``2c - 1 - r``, in that order. Every rank then does the
+same causal work: an early chunk (few keys) and a late one (many keys).
+
+Per attention layer each rank gathers K/V of every rank (``torch.distributed.nn.functional.all_gather``:
+its backward sums every rank's gradient into the owner's slice), puts them in row order and attends each
+of its query chunks, per packed sequence, to that sequence's keys up to the query (causal, bottom-right
+aligned). Exact on every device: SDPA per (chunk, sequence) piece on the CPU, flash-attn's varlen kernel
+(whose causal mask aligns bottom-right) on CUDA where it is installed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import UlyssesError
+
+__all__ = ["chunks_of", "padded_total", "slice_rows", "gather_rows", "attend"]
+
+
+def padded_total(length: int, size: int) -> int:
+    """``length`` padded to a multiple of ``2 * size`` (two chunks per rank)."""
+    unit = 2 * size
+    return -(-length // unit) * unit
+
+
+def chunks_of(rank: int, size: int, total: int) -> tuple:
+    """The (start, end) row ranges rank ``rank`` holds, in its local order (``total``: padded)."""
+    m = total // (2 * size)
+    return (rank * m, (rank + 1) * m), ((2 * size - 1 - rank) * m, (2 * size - rank) * m)
+
+
+def slice_rows(x: torch.Tensor, dim: int, group: Any, pad_value: float = 0) -> torch.Tensor:
+    """This rank's two chunks of ``x`` along ``dim`` (padded at the end to a multiple of ``2 * size``)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    n = x.shape[dim]
+    total = padded_total(n, size)
+    if total != n:
+        shape = list(x.shape)
+        shape[dim] = total - n
+        x = torch.cat((x, x.new_full(shape, pad_value)), dim=dim)
+    (a, b), (c, d) = chunks_of(rank, size, total)
+    return torch.cat((x.narrow(dim, a, b - a), x.narrow(dim, c, d - c)), dim=dim)
+
+
+def _order(parts, dim, size):
+    """Every rank's local tensor (two chunks each) -> the whole row in row order."""
+    halves = [p.chunk(2, dim=dim) for p in parts]
+    return torch.cat([halves[j][0] for j in range(size)] + [halves[size - 1 - j][1] for j in range(size)], dim=dim)
+
+
+class _GatherRows(torch.autograd.Function):
+    """Every rank's chunks -> the whole row; backward keeps this rank's chunks of the gradient (each rank's
+    loss sees the whole row, so parameter gradients summed over the group are the single-process ones)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x, group=group)
+        return _order(parts, dim, len(parts))
+
+    @staticmethod
+    def backward(ctx, grad):
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        (a, b), (c, d) = chunks_of(rank, size, grad.shape[ctx.dim])
+        out = torch.cat((grad.narrow(ctx.dim, a, b - a), grad.narrow(ctx.dim, c, d - c)), dim=ctx.dim)
+        return out.contiguous(), None, None
+
+
+def gather_rows(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """The whole row from every rank's chunks (the inverse of :func:`slice_rows`, padding kept)."""
+    return _GatherRows.apply(x, dim, group)
+
+
+def _gather_kv(x, group):
+    """K or V of the whole row, every rank's gradient summed into the owner's chunks on the way back."""
+    from torch.distributed.nn.functional import all_gather
+
+    parts = all_gather(x.contiguous(), group=group)
+    return _order(list(parts), 0, len(parts))
+
+
+def pieces(step, rank, size, local):
+    """Per query chunk of this rank and per packed sequence in it: (local q start, q end, key start, key end),
+    where the keys are row positions and the queries attend keys up to their own row position."""
+    total = step.total
+    out = []
+    offset = 0
+    bounds = step.bounds
+    for a, b in chunks_of(rank, size, total):
+        for s0, s1 in zip(bounds[:-1], bounds[1:]):
+            lo, hi = max(a, s0), min(b, s1)
+            if lo < hi:
+                out.append((offset + lo - a, offset + hi - a, s0, hi))
+        offset += b - a
+    if offset != local:
+        raise UlyssesError(f"context parallel: this rank holds {local} tokens but the layout of {total} row tokens "
+                           f"over {size} ranks gives it {offset}; slice the row with "
+                           f"tfcompat.ulysses.slice_inputs(..., context_group=group)")
+    return tuple(out)
+
+
+def attend(q, k, v, step, pieces_, group, *, scale, window=None, dropout_p=0.0):
+    """Causal attention of this rank's queries (s_local, heads, d) to the whole row's K/V.
+
+    ``pieces_``: :func:`pieces` of the step (computed once per step). Returns (s_local, heads, d)."""
+    k_all = _gather_kv(k, group)
+    v_all = _gather_kv(v, group)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k_all = k_all.repeat_interleave(groups, dim=1)
+        v_all = v_all.repeat_interleave(groups, dim=1)
+    outs = []
+    qh, kh, vh = q.transpose(0, 1), k_all.transpose(0, 1), v_all.transpose(0, 1)  # heads first
+    for q0, q1, k0, k1 in pieces_:
+        nq, nk = q1 - q0, k1 - k0
+        i = torch.arange(nq, device=q.device)[:, None] + (nk - nq)  # each query's row position, from k0
+        j = torch.arange(nk, device=q.device)[None, :]
+        mask = j <= i
+        if window is not None:
+            mask = mask & (i - j < window)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qh[:, q0:q1].unsqueeze(0), kh[:, k0:k1].unsqueeze(0), vh[:, k0:k1].unsqueeze(0), attn_mask=mask,
+            dropout_p=dropout_p, scale=scale)
+        outs.append(out[0].transpose(0, 1))
+    return torch.cat(outs, dim=0)
