@@ -1,6 +1,7 @@
 """Context parallelism (``patch(model, context_group=group)``) over 4 gloo ranks: more ranks than key/value
 heads, packed rows whose sequences span chunks and ranks, activation checkpointing, images split across
-ranks, verl's whole-row call, and two AdamW steps equal to the single-process padded run.
+ranks, verl's whole-row call, two AdamW steps equal to the single-process padded run, and context parallel
+x Ulysses on a 2x2 DeviceMesh.
 
 The workers are spawned once for the module and run every case; each test asserts its case on every rank.
 """
@@ -66,7 +67,7 @@ def _text_worker(rank, world, name, ckpt):
 
     model = tiny_model(name, num_key_value_heads=2)
     record = tfcompat.patch(model, context_group=dist.group.WORLD)
-    assert record.ulysses_world_size == world
+    assert (record.ulysses_world_size, record.context_world_size) == (1, world)
     model.train()
     if ckpt:
         tfcompat.enable_checkpointing(model, reentrant=ckpt == "reentrant")
@@ -195,10 +196,51 @@ def _whole_row_worker(rank, world, name):
     _summed_grads_close(model, ref, rank)
 
 
+def _two_d_worker(rank, world, name, ckpt):
+    """A 2x2 DeviceMesh: context parallel over "cp", Ulysses over "sp" (heads) inside each context shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "sp"))
+    groups = dict(group=mesh["sp"].get_group(), context_group=mesh["cp"].get_group())
+    vision = SPECS[name].vision
+    rows = _rows(name, vision)
+    ids, mask = padded(rows)
+    pixels = tiny_pixels(1) if vision else {}
+    probe = tiny_model(name)
+    if vision:
+        pos3, _ = rope_index(probe, ids, image_grid_thw=pixels["image_grid_thw"], attention_mask=mask)
+        pk = pack(ids, mask, pos3)
+    else:
+        pk = pack(ids, mask)
+    total = pk.input_ids.shape[1]
+    kw = forward_kwargs(probe, pk.input_ids, **pixels)
+    ref = tiny_model(name)
+    tfcompat.patch(ref)
+    ref.train()
+    want = ref(input_ids=pk.input_ids, position_ids=pk.position_ids, **kw).logits
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
+    (want * weights).sum().backward()
+
+    model = tiny_model(name)
+    record = tfcompat.patch(model, ulysses_group=groups["group"], context_group=groups["context_group"],
+                            slice_inputs=vision)
+    assert (record.ulysses_world_size, record.context_world_size) == (2, 2)
+    model.train()
+    if ckpt:
+        tfcompat.enable_checkpointing(model, reentrant=ckpt == "reentrant")
+    if vision:  # the whole row on every rank; the model keeps its share after embedding
+        local = model(input_ids=pk.input_ids, position_ids=pk.position_ids, **kw).logits
+    else:
+        local = model(input_ids=slice_for_rank(pk.input_ids, dim=1, **groups),
+                      position_ids=slice_for_rank(pk.position_ids, dim=1, **groups)).logits
+    got = gather_from_ranks(local, dim=1, length=total, **groups)
+    (got * weights).sum().backward()
+    close_to_model(got.detach(), want.detach(), f"rank {rank} logits")
+    _summed_grads_close(model, ref, rank)
+
+
 def _refusals_worker(rank, world):
     model = tiny_model("qwen2")
-    with pytest.raises(UlyssesError, match="together .* not served yet"):
-        tfcompat.patch(model, ulysses_group=dist.group.WORLD, context_group=dist.group.WORLD)
     tfcompat.patch(model, context_group=dist.group.WORLD)
     rows = _rows("qwen2")
     pk = pack(*padded(rows))
@@ -219,6 +261,9 @@ def _cases(rank, world):
         cases.append((f"vision:{name}", functools.partial(_vision_worker, rank, world, name)))
     for name in [n for n in ("qwen2", "qwen2_vl") if n in HAVE]:
         cases.append((f"whole_row:{name}", functools.partial(_whole_row_worker, rank, world, name)))
+    for name, ckpt in (("qwen2", "non_reentrant"), ("qwen2_vl", None)):
+        if name in HAVE:
+            cases.append((f"two_d:{name}", functools.partial(_two_d_worker, rank, world, name, ckpt)))
     cases.append(("refusals", functools.partial(_refusals_worker, rank, world)))
     return run_cases(rank, cases)
 
@@ -249,6 +294,13 @@ def test_whole_row_call(outcomes, name):
     if name not in HAVE:
         pytest.skip("not in this release")
     assert_ok(outcomes, f"whole_row:{name}")
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen2_vl"])
+def test_context_times_ulysses_on_a_2x2_mesh(outcomes, name):
+    if name not in HAVE:
+        pytest.skip("not in this release")
+    assert_ok(outcomes, f"two_d:{name}")
 
 
 def test_refusals(outcomes):

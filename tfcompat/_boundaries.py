@@ -135,7 +135,7 @@ def positions_of(cu, total, device):
     return (idx - cu[seq])[None]
 
 
-def slice_whole_row(module, state, a, explicit, group):
+def slice_whole_row(module, state, a, explicit):
     """``slice_inputs=True``: the text model got the whole packed row on every rank (verl's VLM call); embed it
     (if ids) and keep this rank's slice of the embeddings, positions and Qwen3-VL's vision rows."""
     from .ulysses import slice_inputs
@@ -155,9 +155,10 @@ def slice_whole_row(module, state, a, explicit, group):
     if mask is not None and hasattr(mask, "dim") and mask.dim() == 2 and not bool(mask.bool().all()):
         raise UlyssesError(f"tfcompat {state.family}: a whole row with padding in attention_mask; pack the rows "
                            f"(tfcompat.packing.pack) and pass the packed row with no mask")
-    check_ulysses_lengths(total, batch, group, state, embeds, position_ids, whole=True)
+    for group in state.split().values():
+        check_ulysses_lengths(total, batch, group, state, embeds, position_ids, whole=True)
     extra = {k: a.get(k) for k in ("visual_pos_masks", "deepstack_visual_embeds") if a.get(k) is not None}
-    local = slice_inputs(embeds, position_ids, **{"context_group" if state.context else "group": group}, **extra)
+    local = slice_inputs(embeds, position_ids, **state.split(), **extra)
     a.update(local, input_ids=None, attention_mask=None)
     if "cache_position" in a:
         a["cache_position"] = None  # upstream counts it from the slice
@@ -213,7 +214,7 @@ def find_step(state, group, explicit, position_ids, mask, batch, local, device):
     """The step's boundaries, or None for an input that is not packed (and no Ulysses group)."""
     import torch
 
-    world = state.world if group is not None else 1
+    world = state.world * state.cworld if group is not None else 1
     total = local * world
     cu = explicit.get("cu_seq_lens_q")
     if cu is None and explicit.get("cu_seq_lens_k") is not None:
@@ -305,7 +306,7 @@ def find_step(state, group, explicit, position_ids, mask, batch, local, device):
         if valid is not None:
             raise UlyssesError(f"tfcompat {state.family}: a Ulysses shard with padding in attention_mask; pack the "
                                f"rows (tfcompat.packing.pack) and slice the packed row")
-        rows = gather_from_ranks(rows.contiguous(), dim=1, **{"context_group" if state.context else "group": group})
+        rows = gather_from_ranks(rows.contiguous(), dim=1, **state.split())
     if text is None:
         # 3-row mRoPE ids: the temporal row repeats and even goes down inside one sequence (an image's
         # temporal positions can exceed the text after it), so it never marks boundaries. Only a token at

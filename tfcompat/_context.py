@@ -80,12 +80,36 @@ def gather_rows(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     return _GatherRows.apply(x, dim, group)
 
 
+class _AllGatherSum(torch.autograd.Function):
+    """Every rank's tensor, rank after rank along dim 0; backward sums every rank's gradient of this rank's part
+    (reduce-scatter on NCCL; an all-reduce on backends without it, e.g. gloo: torch's own all_gather backward
+    there addresses subgroups by global rank)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x, group=group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        grad = grad.contiguous()
+        n = grad.shape[0] // size
+        if dist.get_backend(ctx.group) == "nccl":
+            out = torch.empty((n, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+            dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+            return out, None
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.narrow(0, rank * n, n).contiguous(), None
+
+
 def _gather_kv(x, group):
     """K or V of the whole row, every rank's gradient summed into the owner's chunks on the way back."""
-    from torch.distributed.nn.functional import all_gather
-
-    parts = all_gather(x.contiguous(), group=group)
-    return _order(list(parts), 0, len(parts))
+    size = dist.get_world_size(group)
+    return _order(list(_AllGatherSum.apply(x, group).chunk(size, dim=0)), 0, size)
 
 
 def pieces(step, rank, size, local):

@@ -36,16 +36,19 @@ def _text_model_forward(self, *args, **kwargs):
     if a is None:
         return _original(self, state, *args, **kwargs)  # upstream says what is wrong with the call
     plan = _resolve.resolve("attention.signature", state.family).plan
-    group = state.group_or_raise()
+    state.group_or_raise()
+    split = state.split()  # the sequence groups: Ulysses, context parallel, or both
+    group = next(iter(split.values()), None)  # not None: the row is split over ranks
     ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
     if ref is None:
         return _original(self, state, *args, **kwargs)
     _boundaries.check_position_shape(state.family, a.get("position_ids"), ref.shape[0], ref.shape[1])
-    if group is not None and state.slice_inputs:
-        a = _boundaries.slice_whole_row(self, state, a, explicit, group)
+    if split and state.slice_inputs:
+        a = _boundaries.slice_whole_row(self, state, a, explicit)
         ref = a["inputs_embeds"]
-    elif group is not None:
-        _boundaries.check_ulysses_lengths(ref.shape[1], ref.shape[0], group, state, ref, a.get("position_ids"))
+    else:
+        for g in split.values():
+            _boundaries.check_ulysses_lengths(ref.shape[1], ref.shape[0], g, state, ref, a.get("position_ids"))
     position_ids = a.get("position_ids")
     batch, local = ref.shape[0], ref.shape[1]
     changed = {}
@@ -113,7 +116,7 @@ def _vl_top_forward(self, *args, **kwargs):
 
 
 def _refuse_whole_row_labels(state, kwargs):
-    if state.slice_inputs and state.group is not None and kwargs.get("labels") is not None:
+    if state.slice_inputs and state.split() and kwargs.get("labels") is not None:
         raise UlyssesError(
             f"tfcompat {state.family}: labels with slice_inputs=True: the model returns this rank's slice of the "
             f"logits, which upstream's loss cannot pair with the whole row's labels; call without labels and "
@@ -146,7 +149,7 @@ def _vl_forward(self, *args, **kwargs):
         return _original(self, state, *args, **kwargs)  # upstream says what is wrong with the call
     pixels = a.get("pixel_values") is not None or a.get("pixel_values_videos") is not None
     if pixels and a.get("input_ids") is not None and a["input_ids"].shape[0] == 1 and \
-            (state.group is None or state.slice_inputs):  # this rank holds the whole row
+            (not state.split() or state.slice_inputs):  # this rank holds the whole row
         scope = _scoped()
         explicit = scope[1] if scope is not None and scope[0] == "explicit" else {}
         _boundaries.check_vision_in_packed_row(self, state.family, a, explicit)
@@ -265,9 +268,9 @@ def _attention_forward(self, *args, **kwargs):
     pe = a.get("position_embeddings")
     step = _layer_step(self, pe)
     if step is None:
-        if state.group is not None or state.group_lost:
-            raise UlyssesError(f"tfcompat {state.family}: a Ulysses-patched attention was called outside a patched "
-                               f"text model step; call the model (or its text model), not the layer")
+        if state.split() or state.group_lost:
+            raise UlyssesError(f"tfcompat {state.family}: a Ulysses- or context-parallel-patched attention was called "
+                               f"outside a patched text model step; call the model (or its text model), not the layer")
         return _original(self, state, *args, **kwargs)  # not packed: upstream, unchanged
     hidden = a["hidden_states"]
     if pe is None or hidden.shape[0] != 1:
@@ -299,20 +302,6 @@ def _attention_forward(self, *args, **kwargs):
     q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0]
     dropout = self.attention_dropout if self.training else 0.0
     scale = getattr(self, "scaling", None) or d ** -0.5
-    if state.context:
-        from ._context import attend, pieces
-
-        if "context" not in step.memo:  # once per step: Python ints only
-            import torch.distributed as dist
-
-            step.memo["context"] = pieces(step, dist.get_rank(group), state.world, q.shape[0])
-        out = attend(q, k, v, step, step.memo["context"], group, scale=scale, window=state.window,
-                     dropout_p=dropout)
-        out = out.reshape(1, s, -1)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
-        out = self.o_proj(out)
-        return (out, None, None) if plan.returns == 3 else (out, None)
     if group is not None:
         from .ulysses import repeat_kv_for_group, to_heads, to_sequence
 
@@ -320,11 +309,22 @@ def _attention_forward(self, *args, **kwargs):
         q = to_heads(q, group)
         k = to_heads(repeat_kv_for_group(k, state.world), group)
         v = to_heads(repeat_kv_for_group(v, state.world), group)
-    if step.total != q.shape[0]:
-        raise PackingError(f"tfcompat attention: boundaries cover {step.total} tokens but the layer sees "
-                           f"{q.shape[0]}; pass boundaries of the whole (gathered) packed row")
-    out = _varlen(q, k, v, step.cu, step.bounds, step.max_len, causal=True, softmax_scale=scale,
-                  window=state.window, dropout_p=dropout)
+    if state.cgroup is not None:
+        # context parallel: this rank's chunks (after Ulysses: of its heads) attend the whole row's K/V
+        from ._context import attend, pieces
+
+        if "context" not in step.memo:  # once per step: Python ints only
+            import torch.distributed as dist
+
+            step.memo["context"] = pieces(step, dist.get_rank(state.cgroup), state.cworld, q.shape[0])
+        out = attend(q, k, v, step, step.memo["context"], state.cgroup, scale=scale, window=state.window,
+                     dropout_p=dropout)
+    else:
+        if step.total != q.shape[0]:
+            raise PackingError(f"tfcompat attention: boundaries cover {step.total} tokens but the layer sees "
+                               f"{q.shape[0]}; pass boundaries of the whole (gathered) packed row")
+        out = _varlen(q, k, v, step.cu, step.bounds, step.max_len, causal=True, softmax_scale=scale,
+                      window=state.window, dropout_p=dropout)
     if group is not None:
         out = to_sequence(out, group)
     out = out.reshape(1, s, -1)

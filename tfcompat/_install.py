@@ -25,9 +25,9 @@ class _State:
     a pickled copy forgets it and asks to be patched again before a Ulysses step."""
 
     def __init__(self, kind, family, remove_padding, group, world, saved_forward=None, dummy_visual=True,
-                 slice_inputs=False, context=False):
+                 slice_inputs=False, cgroup=None, cworld=1):
         self.kind, self.family, self.remove_padding = kind, family, remove_padding
-        self.context = context  # the group splits the row by context parallelism (zigzag chunks), not Ulysses
+        self.cgroup, self.cworld = cgroup, cworld  # context parallel: zigzag chunks of the row (or Ulysses's)
         self.slice_inputs = slice_inputs  # Ulysses: every rank passes the whole row; the text model slices it
         self.dummy_visual = dummy_visual
         self.section = None  # attention modules: mRoPE sections, read from the config once at patch time
@@ -44,15 +44,25 @@ class _State:
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        if state["group"] is not None:
-            state["group"], state["group_lost"] = None, True
+        if state["group"] is not None or state.get("cgroup") is not None:
+            state["group"], state["cgroup"], state["group_lost"] = None, None, True
         return state
+
+    def split(self):
+        """The keyword arguments naming this model's sequence groups (for tfcompat.ulysses' slice/gather)."""
+        out = {}
+        if self.group is not None:
+            out["group"] = self.group
+        if self.cgroup is not None:
+            out["context_group"] = self.cgroup
+        return out
 
     def group_or_raise(self):
         if self.group_lost:
             raise UlyssesError(
-                f"tfcompat: this {self.family} model was patched for Ulysses and then pickled or saved; a process "
-                f"group cannot travel with it; call tfcompat.patch(model, ulysses_group=group) again after loading"
+                f"tfcompat: this {self.family} model was patched for Ulysses (or context parallel) and then pickled or "
+                f"saved; a process group cannot travel with it; call tfcompat.patch(model, ulysses_group=group) "
+                f"(or context_group=) again after loading"
             )
         return self.group
 

@@ -65,6 +65,8 @@ class PatchRecord:
     #: (tfcompat._window: probed per layer), and how it was decided
     windows: tuple = ()
     windows_how: str = ""
+    #: ranks of the context-parallel group (1: none)
+    context_world_size: int = 1
 
 
 
@@ -92,23 +94,19 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
     rotary_cls = getattr(module, fam.rotary)
     linear_cls = getattr(module, plan.linear_attention) if plan.linear_attention else None
 
-    world = 1
-    context = context_group is not None
-    if context and ulysses_group is not None:
-        raise UlyssesError("tfcompat.patch: ulysses_group and context_group together (a 2-D split) are not served "
-                           "yet; pass one of them: context_group alone splits the row over any number of ranks")
-    if slice_inputs and ulysses_group is None and not context:
+    world = cworld = 1
+    if slice_inputs and ulysses_group is None and context_group is None:
         raise UlyssesError("tfcompat.patch: slice_inputs=True slices a whole row over the Ulysses (or context) "
                            "group; pass ulysses_group=group or context_group=group with it (or leave it off)")
-    if context:
+    if context_group is not None:
         import torch.distributed as dist
 
         if linear_cls is not None:
             raise UlyssesError(f"context parallel: {fam.name} has linear-attention (Gated DeltaNet) layers whose "
                                f"recurrent state runs along the sequence from rank to rank; tfcompat does not pass "
                                f"it between ranks yet; use context_group=None")
-        ulysses_group, world = context_group, dist.get_world_size(context_group)  # the sequence group
-    elif ulysses_group is not None:
+        cworld = dist.get_world_size(context_group)
+    if ulysses_group is not None:
         import torch.distributed as dist
 
         world = dist.get_world_size(ulysses_group)
@@ -129,7 +127,7 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
             f"{resolutions[0].transformers}"
         )
     targets = []
-    if remove_padding or ulysses_group is not None:
+    if remove_padding or ulysses_group is not None or context_group is not None:
         for text in texts:
             rotary = [m for m in text.children() if isinstance(m, rotary_cls)]
             if len(rotary) != 1:
@@ -159,7 +157,7 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
         st = _patched_as(m)
         return st is not None and st.kind == kind and st.remove_padding == remove_padding and \
             st.group is ulysses_group and not st.group_lost and st.dummy_visual == dummy_visual and \
-            st.slice_inputs == slice_inputs and st.context == context
+            st.slice_inputs == slice_inputs and st.cgroup is context_group
 
     from ._window import layer_windows
 
@@ -172,7 +170,7 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
             _uninstall(m)
         for m, kind in targets:
             state = _State(kind, fam.name, remove_padding, ulysses_group, world, dummy_visual=dummy_visual,
-                           slice_inputs=slice_inputs, context=context)
+                           slice_inputs=slice_inputs, cgroup=context_group, cworld=cworld)
             if kind == "layer" and linear_cls is not None:
                 state.linear_child = any(isinstance(c, linear_cls) for c in m.modules())
             if kind == "attention" and resolutions[1].plan.cos_rows == 3:
@@ -186,7 +184,7 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
     n_attn = sum(kind == "attention" for _, kind in targets)
     n_lin = sum(kind == "linear" for _, kind in targets)
     record = PatchRecord(fam.name, text_cls.__name__, n_attn, n_lin, remove_padding, world, resolutions,
-                         tuple(windows[id(m)] for m, kind in targets if kind == "attention"), windows_how)
+                         tuple(windows[id(m)] for m, kind in targets if kind == "attention"), windows_how, cworld)
     if targets:
         model.__dict__[_MODEL_ATTR] = record
     else:

@@ -138,20 +138,23 @@ def padded_length(length: int, group_size: int) -> int:
     return -(-length // group_size) * group_size
 
 
-def _one_group(group, context_group, what):
-    if group is not None and context_group is not None:
-        raise UlyssesError(f"{what}: group and context_group together (a 2-D split) are not served yet; pass one")
-
-
 def slice_for_rank(x: torch.Tensor, dim: int = 1, group: Any = None, pad_value: float = 0, *,
                    context_group: Any = None) -> torch.Tensor:
     """Pad ``x`` along ``dim`` to a multiple of the group size and return this rank's slice; with
-    ``context_group``, this rank's two chunks of the context-parallel layout (see :func:`tfcompat.patch`)."""
-    _one_group(group, context_group, "slice_for_rank")
+    ``context_group``, this rank's two chunks of the context-parallel layout (see :func:`tfcompat.patch`);
+    with both, the Ulysses ``group`` splits each context rank's chunks (the row padded to a multiple of
+    ``2 * context size * group size``)."""
     if context_group is not None:
-        from ._context import slice_rows
+        from ._context import padded_total, slice_rows
 
-        return slice_rows(x, dim, context_group, pad_value)
+        if group is not None:
+            n, unit = x.shape[dim], _size(context_group) * _size(group)
+            if padded_total(n, unit) != n:
+                shape = list(x.shape)
+                shape[dim] = padded_total(n, unit) - n
+                x = torch.cat((x, x.new_full(shape, pad_value)), dim=dim)
+        x = slice_rows(x, dim, context_group, pad_value)
+        return x if group is None else slice_for_rank(x, dim, group, pad_value)
     p, rank = _size(group), dist.get_rank(group)
     n = x.shape[dim]
     total = padded_length(n, p)
@@ -182,14 +185,13 @@ class _Gather(torch.autograd.Function):
 def gather_from_ranks(x: torch.Tensor, dim: int = 1, group: Any = None, length: Optional[int] = None, *,
                       context_group: Any = None) -> torch.Tensor:
     """Concatenate every rank's slice along ``dim`` (and drop padding beyond ``length``); with
-    ``context_group``, put every rank's two chunks back in row order."""
-    _one_group(group, context_group, "gather_from_ranks")
+    ``context_group``, put every rank's two chunks back in row order (with both: the Ulysses group's
+    slices first)."""
+    out = _Gather.apply(x, dim, group) if group is not None or context_group is None else x
     if context_group is not None:
         from ._context import gather_rows
 
-        out = gather_rows(x, dim, context_group)
-    else:
-        out = _Gather.apply(x, dim, group)
+        out = gather_rows(out, dim, context_group)
     return out if length is None else out.narrow(dim, 0, length)
 
 
@@ -210,8 +212,7 @@ def slice_inputs(inputs_embeds: torch.Tensor, position_ids: torch.Tensor, *,
         pass as keyword arguments to the text model. Gradients flow back to the full tensors. With
         ``context_group`` (instead of ``group``): this rank's two chunks of the context-parallel layout.
     """
-    _one_group(group, context_group, "slice_inputs")
-    which = {"context_group": context_group} if context_group is not None else {"group": group}
+    which = {"group": group, "context_group": context_group}
     out: dict[str, Any] = {
         "inputs_embeds": slice_for_rank(inputs_embeds, dim=1, **which),
         "position_ids": slice_for_rank(position_ids, dim=position_ids.dim() - 1, **which),
