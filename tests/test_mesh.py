@@ -1,4 +1,5 @@
-"""FSDP2 over data parallel x Ulysses over sequence parallel, on one 2x2 DeviceMesh of 4 gloo ranks.
+"""FSDP2 over data parallel x Ulysses (or context parallel) over the sequence, on one 2x2 DeviceMesh of 4
+gloo ranks.
 
 Two AdamW steps of the patched, packed, sliced, checkpointed model equal the single-process run of the
 unpatched model on the padded batches (loss of each step and the final parameters). Spawned once.
@@ -55,7 +56,7 @@ def _reference(name):
     return losses, {n: p.detach() for n, p in model.named_parameters()}
 
 
-def _mesh_case(rank, world, name):
+def _mesh_case(rank, world, name, how="ulysses"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -64,7 +65,8 @@ def _mesh_case(rank, world, name):
     want_losses, want = _reference(name)
 
     model = tiny_model(name)
-    tfcompat.patch(model, ulysses_group=sp)
+    split = {"group": sp} if how == "ulysses" else {"context_group": sp}  # the second mesh dimension
+    tfcompat.patch(model, **({"ulysses_group": sp} if how == "ulysses" else {"context_group": sp}))
     model.train()
     tfcompat.enable_checkpointing(model)
     for layer in [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]:
@@ -77,9 +79,9 @@ def _mesh_case(rank, world, name):
     losses = []
     for _ in range(STEPS):
         opt.zero_grad(set_to_none=True)
-        local = model(input_ids=slice_for_rank(pk.input_ids, dim=1, group=sp),
-                      position_ids=slice_for_rank(pk.position_ids, dim=pk.position_ids.dim() - 1, group=sp)).logits
-        logits = unpack(gather_from_ranks(local, dim=1, group=sp, length=total), pk)
+        local = model(input_ids=slice_for_rank(pk.input_ids, dim=1, **split),
+                      position_ids=slice_for_rank(pk.position_ids, dim=pk.position_ids.dim() - 1, **split)).logits
+        logits = unpack(gather_from_ranks(local, dim=1, length=total, **split), pk)
         # every sp rank computes the loss of the whole row from the gathered logits, and the gather's backward
         # keeps each rank's own slice: the 4 ranks' gradients sum to that of both micro-batches' losses, and
         # FSDP averages them over the 4 ranks, hence the factor world
@@ -95,7 +97,9 @@ def _mesh_case(rank, world, name):
 
 
 def _cases(rank, world):
-    return run_cases(rank, [(f"mesh:{n}", functools.partial(_mesh_case, rank, world, n)) for n in MESH_FAMILIES])
+    cases = [(f"mesh:{n}", functools.partial(_mesh_case, rank, world, n)) for n in MESH_FAMILIES]
+    cases += [(f"mesh_cp:{n}", functools.partial(_mesh_case, rank, world, n, "context")) for n in MESH_FAMILIES]
+    return run_cases(rank, cases)
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +114,9 @@ def outcomes():
 @pytest.mark.parametrize("name", MESH_FAMILIES)
 def test_fsdp2_times_ulysses_on_a_2x2_mesh(outcomes, name):
     assert_ok(outcomes, f"mesh:{name}")
+
+
+@pytest.mark.parametrize("name", MESH_FAMILIES)
+def test_fsdp2_times_context_parallel_on_a_2x2_mesh(outcomes, name):
+    """The second mesh dimension split by context parallelism instead of Ulysses (dp x cp)."""
+    assert_ok(outcomes, f"mesh_cp:{name}")
