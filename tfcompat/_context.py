@@ -136,10 +136,15 @@ def attend(q, k, v, step, pieces_, group, *, scale, window=None, dropout_p=0.0):
     """Causal attention of this rank's queries (s_local, heads, d) to the whole row's K/V.
 
     ``pieces_``: :func:`pieces` of the step (computed once per step). Returns (s_local, heads, d)."""
+    from .varlen import _sdpa_has_gqa
+
     k_all = _gather_kv(k, group)
     v_all = _gather_kv(v, group)
     groups = q.shape[1] // k.shape[1]
-    if groups > 1:
+    extra = {}
+    if groups > 1 and _sdpa_has_gqa():
+        extra["enable_gqa"] = True  # kv heads shared, not copied
+    elif groups > 1:
         k_all = k_all.repeat_interleave(groups, dim=1)
         v_all = v_all.repeat_interleave(groups, dim=1)
     outs = []
@@ -153,6 +158,6 @@ def attend(q, k, v, step, pieces_, group, *, scale, window=None, dropout_p=0.0):
             mask = mask & (i - j < window)
         out = torch.nn.functional.scaled_dot_product_attention(
             qh[:, q0:q1].unsqueeze(0), kh[:, k0:k1].unsqueeze(0), vh[:, k0:k1].unsqueeze(0), attn_mask=mask,
-            dropout_p=dropout_p, scale=scale)
+            dropout_p=dropout_p, scale=scale, **extra)
         outs.append(out[0].transpose(0, 1))
     return torch.cat(outs, dim=0)
