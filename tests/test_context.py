@@ -20,15 +20,17 @@ from tfcompat.packing import pack, unpack
 from tfcompat.ulysses import gather_from_ranks, slice_for_rank, slice_inputs
 
 from _dist import assert_ok, merged, run_cases, spawn
-from _helpers import close_to_model, linear_attention, one_per_shape, patchable
+from _helpers import close_to_model, linear_attention, patchable
 from _models import forward_kwargs, padded, text_model, tiny_model, tiny_pixels, tiny_sequence
 
 pytestmark = pytest.mark.xdist_group("context")
 
 WORLD = 4
 HAVE = patchable()
-# the mechanism on one family per plan shape (every family's numbers: test_patch, `tfcompat check`)
-TEXT = [n for n in one_per_shape(HAVE) if not linear_attention(n)]
+# the mechanism is family-independent: a plain GQA decoder, GLM's partial interleaved rotary, qk-norm + MoE,
+# where the release has them (the whole set of plan shapes ran once, 2026-12-01: all equal); every family's
+# packed numbers: test_patch and `tfcompat check`
+TEXT = [n for n in ("qwen2", "glm4", "qwen3_moe") if n in HAVE and not linear_attention(n)]
 VISION = [n for n in ("qwen2_vl", "qwen3_vl") if n in HAVE]
 
 
@@ -239,6 +241,29 @@ def _two_d_worker(rank, world, name, ckpt):
     _summed_grads_close(model, ref, rank)
 
 
+def _ulysses_four_worker(rank, world, name):
+    """Ulysses alone over the 4 ranks (4x1): 2 kv heads repeated for the group."""
+    rows = _rows(name)
+    ids, mask = padded(rows)
+    pk = pack(ids, mask)
+    total = pk.input_ids.shape[1]
+    ref = tiny_model(name, num_key_value_heads=2)
+    ref.train()
+    want = ref(input_ids=ids, attention_mask=mask).logits
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(3))
+    (want * weights * mask[..., None]).sum().backward()
+    model = tiny_model(name, num_key_value_heads=2)
+    tfcompat.patch(model, ulysses_group=dist.group.WORLD)
+    model.train()
+    local = model(input_ids=slice_for_rank(pk.input_ids, dim=1),
+                  position_ids=slice_for_rank(pk.position_ids, dim=1)).logits
+    got = unpack(gather_from_ranks(local, dim=1, length=total), pk)
+    (got * weights * mask[..., None]).sum().backward()
+    valid = mask.bool()
+    close_to_model(got.detach()[valid], want.detach()[valid], f"rank {rank} logits")
+    _summed_grads_close(model, ref, rank)
+
+
 def _refusals_worker(rank, world):
     model = tiny_model("qwen2")
     tfcompat.patch(model, context_group=dist.group.WORLD)
@@ -257,6 +282,7 @@ def _cases(rank, world):
         ckpt = ("non_reentrant", "reentrant", None)[i % 3]
         cases.append((f"text:{name}", functools.partial(_text_worker, rank, world, name, ckpt)))
     cases.append(("adamw:qwen2", functools.partial(_adamw_worker, rank, world, "qwen2")))
+    cases.append(("ulysses4:qwen2", functools.partial(_ulysses_four_worker, rank, world, "qwen2")))
     for name in VISION:
         cases.append((f"vision:{name}", functools.partial(_vision_worker, rank, world, name)))
     for name in [n for n in ("qwen2", "qwen2_vl") if n in HAVE]:
@@ -276,6 +302,10 @@ def outcomes():
 @pytest.mark.parametrize("name", TEXT)
 def test_context_parallel_equals_padded(outcomes, name):
     assert_ok(outcomes, f"text:{name}")
+
+
+def test_ulysses_alone_over_four_ranks(outcomes):
+    assert_ok(outcomes, "ulysses4:qwen2")
 
 
 def test_two_adamw_steps_equal_the_single_process_run(outcomes):
