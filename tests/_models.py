@@ -113,3 +113,43 @@ def run_upstream(fn):
             if isinstance(exc, kind) and fragment in str(exc) and is_transformers_version_in_range(first, last):
                 pytest.skip(why)
         raise
+
+
+def split_vision_hidden(name, rows, patch_kwargs, split_kwargs):
+    """A packed VL row (positions from rope_index): the text model's hidden states of the single-process patched
+    model (``want``) and of a model patched with ``patch_kwargs`` whose text model runs on this rank's share of
+    the full row's embeddings (``tfcompat.ulysses.slice_inputs(..., **split_kwargs)``; Qwen3-VL's vision rows
+    too), gathered back (``got``). Both backward with the same random weights. Returns (got, want, model, ref)."""
+    import tfcompat
+    from tfcompat.embeds import get_input_embeds
+    from tfcompat.packing import pack
+    from tfcompat.ulysses import gather_from_ranks, slice_inputs
+
+    ids, mask = padded(rows)
+    pixels = tiny_pixels(1)
+
+    def embeddings(model):
+        pos3, _ = rope_index(model, ids, image_grid_thw=pixels["image_grid_thw"], attention_mask=mask)
+        pk = pack(ids, mask, pos3)
+        res = get_input_embeds(model, pk.input_ids, **pixels)
+        extra = {}
+        if res.deepstack_visual_embeds is not None:
+            extra = dict(visual_pos_masks=res.visual_pos_masks, deepstack_visual_embeds=res.deepstack_visual_embeds)
+        return pk, res.inputs_embeds, extra
+
+    ref = tiny_model(name)
+    tfcompat.patch(ref)
+    pk, embeds, extra = embeddings(ref)
+    want = text_model(ref)(inputs_embeds=embeds, position_ids=pk.position_ids, use_cache=False, **extra)[0]
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
+    (want * weights).sum().backward()
+    model = tiny_model(name)
+    tfcompat.patch(model, **patch_kwargs)
+    _, embeds, extra = embeddings(model)
+    local = slice_inputs(embeds, pk.position_ids, **split_kwargs, **extra)
+    if "visual_pos_masks" in local:
+        assert 0 < int(local["visual_pos_masks"].sum()) < 4, "the test must split the image across ranks"
+    hidden = text_model(model)(use_cache=False, **local)[0]
+    got = gather_from_ranks(hidden, dim=1, length=pk.input_ids.shape[1], **split_kwargs)
+    (got * weights).sum().backward()
+    return got.detach(), want.detach(), model, ref

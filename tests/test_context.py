@@ -14,14 +14,14 @@ import torch.distributed as dist
 
 import tfcompat
 from tfcompat._families import FAMILIES as SPECS
-from tfcompat.embeds import get_input_embeds, rope_index
+from tfcompat.embeds import rope_index
 from tfcompat.errors import UlyssesError
 from tfcompat.packing import pack, unpack
-from tfcompat.ulysses import gather_from_ranks, slice_for_rank, slice_inputs
+from tfcompat.ulysses import gather_from_ranks, slice_for_rank
 
 from _dist import assert_ok, merged, run_cases, spawn
 from _helpers import close_to_model, linear_attention, patchable
-from _models import forward_kwargs, padded, text_model, tiny_model, tiny_pixels, tiny_sequence
+from _models import forward_kwargs, padded, split_vision_hidden, tiny_model, tiny_pixels, tiny_sequence
 
 pytestmark = pytest.mark.xdist_group("context")
 
@@ -135,43 +135,17 @@ def _vision_worker(rank, world, name):
     """Embeddings of the full row, then each rank keeps its two chunks (the image spans ranks; Qwen3-VL's
     deepstack rows follow): the text model's hidden states and every gradient equal the single-process run."""
     rows = [tiny_sequence(name, text=6), tiny_sequence(name, text=9, image=True), tiny_sequence(name, text=3)]
-    ids, mask = padded(rows)
-    pixels = tiny_pixels(1)
-
-    def embeddings(model):
-        pos3, _ = rope_index(model, ids, image_grid_thw=pixels["image_grid_thw"], attention_mask=mask)
-        pk = pack(ids, mask, pos3)
-        res = get_input_embeds(model, pk.input_ids, **pixels)
-        extra = {}
-        if res.deepstack_visual_embeds is not None:
-            extra = dict(visual_pos_masks=res.visual_pos_masks, deepstack_visual_embeds=res.deepstack_visual_embeds)
-        return pk, res.inputs_embeds, extra
-
-    ref = tiny_model(name)
-    tfcompat.patch(ref)
-    pk, embeds, extra = embeddings(ref)
-    total = pk.input_ids.shape[1]
-    want = text_model(ref)(inputs_embeds=embeds, position_ids=pk.position_ids, use_cache=False, **extra)[0]
-    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
-    (want * weights).sum().backward()
-
-    model = tiny_model(name)
-    tfcompat.patch(model, context_group=dist.group.WORLD)
-    _, embeds, extra = embeddings(model)
-    local = slice_inputs(embeds, pk.position_ids, context_group=dist.group.WORLD, **extra)
-    hidden = text_model(model)(use_cache=False, **local)[0]
-    got = gather_from_ranks(hidden, dim=1, length=total, context_group=dist.group.WORLD)
-    (got * weights).sum().backward()
-    close_to_model(got.detach(), want.detach(), f"rank {rank} hidden")
+    split = dict(context_group=dist.group.WORLD)
+    got, want, model, ref = split_vision_hidden(name, rows, split, split)
+    close_to_model(got, want, f"rank {rank} hidden")
     _summed_grads_close(model, ref, rank)
 
 
-def _whole_row_worker(rank, world, name):
-    """verl's whole-row call under context parallelism: every rank passes the whole packed row; the model
-    keeps its two chunks after embedding and returns their logits."""
+def _packed_reference(name):
+    """The packed row of ``_rows`` (with an image for VL families), the forward kwargs of the whole row, and
+    the single-process patched model's logits on it (backward done with random weights)."""
     vision = SPECS[name].vision
-    rows = _rows(name, vision)
-    ids, mask = padded(rows)
+    ids, mask = padded(_rows(name, vision))
     pixels = tiny_pixels(1) if vision else {}
     probe = tiny_model(name)
     if vision:
@@ -179,7 +153,6 @@ def _whole_row_worker(rank, world, name):
         pk = pack(ids, mask, pos3)
     else:
         pk = pack(ids, mask)
-    total = pk.input_ids.shape[1]
     kw = forward_kwargs(probe, pk.input_ids, **pixels)
     ref = tiny_model(name)
     tfcompat.patch(ref)
@@ -187,12 +160,18 @@ def _whole_row_worker(rank, world, name):
     want = ref(input_ids=pk.input_ids, position_ids=pk.position_ids, **kw).logits
     weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
     (want * weights).sum().backward()
+    return pk, kw, ref, want, weights
 
+
+def _whole_row_worker(rank, world, name):
+    """verl's whole-row call under context parallelism: every rank passes the whole packed row; the model
+    keeps its two chunks after embedding and returns their logits."""
+    pk, kw, ref, want, weights = _packed_reference(name)
     model = tiny_model(name)
     tfcompat.patch(model, context_group=dist.group.WORLD, slice_inputs=True)
     model.train()
     local = model(input_ids=pk.input_ids, position_ids=pk.position_ids, **kw).logits
-    got = gather_from_ranks(local, dim=1, length=total, context_group=dist.group.WORLD)
+    got = gather_from_ranks(local, dim=1, length=pk.input_ids.shape[1], context_group=dist.group.WORLD)
     (got * weights).sum().backward()
     close_to_model(got.detach(), want.detach(), f"rank {rank} logits")
     _summed_grads_close(model, ref, rank)
@@ -205,23 +184,8 @@ def _two_d_worker(rank, world, name, ckpt):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "sp"))
     groups = dict(group=mesh["sp"].get_group(), context_group=mesh["cp"].get_group())
     vision = SPECS[name].vision
-    rows = _rows(name, vision)
-    ids, mask = padded(rows)
-    pixels = tiny_pixels(1) if vision else {}
-    probe = tiny_model(name)
-    if vision:
-        pos3, _ = rope_index(probe, ids, image_grid_thw=pixels["image_grid_thw"], attention_mask=mask)
-        pk = pack(ids, mask, pos3)
-    else:
-        pk = pack(ids, mask)
+    pk, kw, ref, want, weights = _packed_reference(name)
     total = pk.input_ids.shape[1]
-    kw = forward_kwargs(probe, pk.input_ids, **pixels)
-    ref = tiny_model(name)
-    tfcompat.patch(ref)
-    ref.train()
-    want = ref(input_ids=pk.input_ids, position_ids=pk.position_ids, **kw).logits
-    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
-    (want * weights).sum().backward()
 
     model = tiny_model(name)
     record = tfcompat.patch(model, ulysses_group=groups["group"], context_group=groups["context_group"],

@@ -19,7 +19,7 @@ from tfcompat.ulysses import gather_from_ranks, slice_for_rank
 
 from _dist import assert_ok, merged, run_cases, spawn
 from _helpers import close_to_model, installed, linear_attention, one_per_shape, patchable, verl_ulysses  # noqa: F401
-from _models import padded, text_model, tiny_model, tiny_pixels, tiny_sequence
+from _models import padded, split_vision_hidden, text_model, tiny_model, tiny_pixels, tiny_sequence
 
 # the workers are spawned once for the module: under pytest-xdist its tests stay on one worker
 pytestmark = pytest.mark.xdist_group("distributed")
@@ -311,42 +311,10 @@ def test_fsdp_with_a_text_only_rank(outcomes):
 
 
 def _ulysses_vision_worker(rank, world, name):
-    from tfcompat.ulysses import slice_inputs
-
-    from _models import tiny_pixels as pixels_for
-
     # the image tokens of the second sequence straddle the two ranks' slices
     rows = [tiny_sequence(name, text=4), tiny_sequence(name, text=5, image=True)]
-    ids, mask = padded(rows)
-    pixels = pixels_for(1)
-
-    def embeddings(model):
-        pos3, _ = rope_index(model, ids, image_grid_thw=pixels["image_grid_thw"], attention_mask=mask)
-        pk = pack(ids, mask, pos3)
-        res = get_input_embeds(model, pk.input_ids, **pixels)
-        extra = {}
-        if res.deepstack_visual_embeds is not None:
-            extra = dict(visual_pos_masks=res.visual_pos_masks, deepstack_visual_embeds=res.deepstack_visual_embeds)
-        return pk, res.inputs_embeds, extra
-
-    ref = tiny_model(name)
-    tfcompat.patch(ref)
-    pk, embeds, extra = embeddings(ref)
-    total = pk.input_ids.shape[1]
-    want = text_model(ref)(inputs_embeds=embeds, position_ids=pk.position_ids, use_cache=False, **extra)[0]
-    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
-    (want * weights).sum().backward()
-
-    model = tiny_model(name)
-    tfcompat.patch(model, ulysses_group=dist.group.WORLD)
-    _, embeds, extra = embeddings(model)
-    local = slice_inputs(embeds, pk.position_ids, **extra)
-    if "visual_pos_masks" in local:
-        assert 0 < int(local["visual_pos_masks"].sum()) < 4, "the test must split the image across ranks"
-    hidden = text_model(model)(use_cache=False, **local)[0]
-    got = gather_from_ranks(hidden, dim=1, length=total)
-    (got * weights).sum().backward()
-    close_to_model(got.detach(), want.detach(), f"rank {rank} hidden")
+    got, want, model, ref = split_vision_hidden(name, rows, dict(ulysses_group=dist.group.WORLD), {})
+    close_to_model(got, want, f"rank {rank} hidden")
     _compare_summed_grads(model, ref, rank)
 
 

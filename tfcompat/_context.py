@@ -36,15 +36,21 @@ def chunks_of(rank: int, size: int, total: int) -> tuple:
     return (rank * m, (rank + 1) * m), ((2 * size - 1 - rank) * m, (2 * size - rank) * m)
 
 
+def pad_to(x: torch.Tensor, dim: int, total: int, pad_value: float = 0) -> torch.Tensor:
+    """``x`` padded with ``pad_value`` at the end of ``dim`` to ``total`` entries."""
+    n = x.shape[dim]
+    if total == n:
+        return x
+    shape = list(x.shape)
+    shape[dim] = total - n
+    return torch.cat((x, x.new_full(shape, pad_value)), dim=dim)
+
+
 def slice_rows(x: torch.Tensor, dim: int, group: Any, pad_value: float = 0) -> torch.Tensor:
     """This rank's two chunks of ``x`` along ``dim`` (padded at the end to a multiple of ``2 * size``)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    n = x.shape[dim]
-    total = padded_total(n, size)
-    if total != n:
-        shape = list(x.shape)
-        shape[dim] = total - n
-        x = torch.cat((x, x.new_full(shape, pad_value)), dim=dim)
+    total = padded_total(x.shape[dim], size)
+    x = pad_to(x, dim, total, pad_value)
     (a, b), (c, d) = chunks_of(rank, size, total)
     return torch.cat((x.narrow(dim, a, b - a), x.narrow(dim, c, d - c)), dim=dim)
 

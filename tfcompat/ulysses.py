@@ -144,24 +144,16 @@ def slice_for_rank(x: torch.Tensor, dim: int = 1, group: Any = None, pad_value: 
     ``context_group``, this rank's two chunks of the context-parallel layout (see :func:`tfcompat.patch`);
     with both, the Ulysses ``group`` splits each context rank's chunks (the row padded to a multiple of
     ``2 * context size * group size``)."""
-    if context_group is not None:
-        from ._context import padded_total, slice_rows
+    from ._context import pad_to, padded_total, slice_rows
 
+    if context_group is not None:
         if group is not None:
-            n, unit = x.shape[dim], _size(context_group) * _size(group)
-            if padded_total(n, unit) != n:
-                shape = list(x.shape)
-                shape[dim] = padded_total(n, unit) - n
-                x = torch.cat((x, x.new_full(shape, pad_value)), dim=dim)
+            x = pad_to(x, dim, padded_total(x.shape[dim], _size(context_group) * _size(group)), pad_value)
         x = slice_rows(x, dim, context_group, pad_value)
         return x if group is None else slice_for_rank(x, dim, group, pad_value)
     p, rank = _size(group), dist.get_rank(group)
-    n = x.shape[dim]
-    total = padded_length(n, p)
-    if total != n:
-        pad_shape = list(x.shape)
-        pad_shape[dim] = total - n
-        x = torch.cat((x, x.new_full(pad_shape, pad_value)), dim=dim)
+    total = padded_length(x.shape[dim], p)
+    x = pad_to(x, dim, total, pad_value)
     step = total // p
     return x.narrow(dim, rank * step, step)
 
