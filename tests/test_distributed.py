@@ -313,7 +313,8 @@ def test_fsdp_with_a_text_only_rank(outcomes):
 def _ulysses_vision_worker(rank, world, name):
     # the image tokens of the second sequence straddle the two ranks' slices
     rows = [tiny_sequence(name, text=4), tiny_sequence(name, text=5, image=True)]
-    got, want, model, ref = split_vision_hidden(name, rows, dict(ulysses_group=dist.group.WORLD), {})
+    got, want, model, ref = split_vision_hidden(name, rows, dict(ulysses_group=dist.group.WORLD), {},
+                                                image_on_every_rank=True)
     close_to_model(got, want, f"rank {rank} hidden")
     _compare_summed_grads(model, ref, rank)
 
