@@ -7,6 +7,7 @@ The workers are spawned once for the module and run every case; each test assert
 """
 
 import functools
+import os
 
 import pytest
 import torch
@@ -24,6 +25,9 @@ from _helpers import close_to_model, linear_attention, patchable
 from _models import forward_kwargs, padded, split_vision_hidden, tiny_model, tiny_pixels, tiny_sequence
 
 pytestmark = pytest.mark.xdist_group("context")
+if os.environ.get("TFCOMPAT_CONTEXT_TESTS") == "skip":
+    pytest.skip("context parallelism runs on the boundary releases of the matrix (tox.ini says which)",
+                allow_module_level=True)
 
 WORLD = 4
 HAVE = patchable()

@@ -6,6 +6,7 @@ unpatched model on the padded batches (loss of each step and the final parameter
 """
 
 import functools
+import os
 
 import pytest
 import torch
@@ -98,7 +99,8 @@ def _mesh_case(rank, world, name, how="ulysses"):
 
 def _cases(rank, world):
     cases = [(f"mesh:{n}", functools.partial(_mesh_case, rank, world, n)) for n in MESH_FAMILIES]
-    cases += [(f"mesh_cp:{n}", functools.partial(_mesh_case, rank, world, n, "context")) for n in MESH_FAMILIES]
+    if os.environ.get("TFCOMPAT_CONTEXT_TESTS") != "skip":
+        cases += [(f"mesh_cp:{n}", functools.partial(_mesh_case, rank, world, n, "context")) for n in MESH_FAMILIES]
     return run_cases(rank, cases)
 
 
@@ -119,4 +121,6 @@ def test_fsdp2_times_ulysses_on_a_2x2_mesh(outcomes, name):
 @pytest.mark.parametrize("name", MESH_FAMILIES)
 def test_fsdp2_times_context_parallel_on_a_2x2_mesh(outcomes, name):
     """The second mesh dimension split by context parallelism instead of Ulysses (dp x cp)."""
+    if os.environ.get("TFCOMPAT_CONTEXT_TESTS") == "skip":
+        pytest.skip("context parallelism runs on the boundary releases of the matrix (tox.ini says which)")
     assert_ok(outcomes, f"mesh_cp:{name}")
