@@ -25,7 +25,7 @@ from _helpers import close_to_model, linear_attention, patchable
 from _models import forward_kwargs, padded, split_vision_hidden, tiny_model, tiny_pixels, tiny_sequence
 
 pytestmark = pytest.mark.xdist_group("context")
-if os.environ.get("TFCOMPAT_CONTEXT_TESTS") == "skip":
+if os.environ.get("TFCOMPAT_BOUNDARY_TESTS") == "skip":
     pytest.skip("context parallelism runs on the boundary releases of the matrix (tox.ini says which)",
                 allow_module_level=True)
 

@@ -99,7 +99,7 @@ def _mesh_case(rank, world, name, how="ulysses"):
 
 def _cases(rank, world):
     cases = [(f"mesh:{n}", functools.partial(_mesh_case, rank, world, n)) for n in MESH_FAMILIES]
-    if os.environ.get("TFCOMPAT_CONTEXT_TESTS") != "skip":
+    if os.environ.get("TFCOMPAT_BOUNDARY_TESTS") != "skip":
         cases += [(f"mesh_cp:{n}", functools.partial(_mesh_case, rank, world, n, "context")) for n in MESH_FAMILIES]
     return run_cases(rank, cases)
 
@@ -121,6 +121,6 @@ def test_fsdp2_times_ulysses_on_a_2x2_mesh(outcomes, name):
 @pytest.mark.parametrize("name", MESH_FAMILIES)
 def test_fsdp2_times_context_parallel_on_a_2x2_mesh(outcomes, name):
     """The second mesh dimension split by context parallelism instead of Ulysses (dp x cp)."""
-    if os.environ.get("TFCOMPAT_CONTEXT_TESTS") == "skip":
+    if os.environ.get("TFCOMPAT_BOUNDARY_TESTS") == "skip":
         pytest.skip("context parallelism runs on the boundary releases of the matrix (tox.ini says which)")
     assert_ok(outcomes, f"mesh_cp:{name}")
