@@ -138,6 +138,14 @@ def pieces(step, rank, size, local):
     return tuple(out)
 
 
+def _piece_mask(nq, nk, window, device):
+    """Queries at the last ``nq`` of ``nk`` key positions: each sees the keys up to itself (and within the window)."""
+    i = torch.arange(nq, device=device)[:, None] + (nk - nq)  # each query's row position, from the piece's first key
+    j = torch.arange(nk, device=device)[None, :]
+    mask = j <= i
+    return mask & (i - j < window) if window is not None else mask
+
+
 def attend(q, k, v, step, pieces_, group, *, scale, window=None, dropout_p=0.0):
     """Causal attention of this rank's queries (s_local, heads, d) to the whole row's K/V.
 
@@ -155,13 +163,11 @@ def attend(q, k, v, step, pieces_, group, *, scale, window=None, dropout_p=0.0):
         v_all = v_all.repeat_interleave(groups, dim=1)
     outs = []
     qh, kh, vh = q.transpose(0, 1), k_all.transpose(0, 1), v_all.transpose(0, 1)  # heads first
-    for q0, q1, k0, k1 in pieces_:
-        nq, nk = q1 - q0, k1 - k0
-        i = torch.arange(nq, device=q.device)[:, None] + (nk - nq)  # each query's row position, from k0
-        j = torch.arange(nk, device=q.device)[None, :]
-        mask = j <= i
-        if window is not None:
-            mask = mask & (i - j < window)
+    key = ("context_masks", window, q.device)
+    masks = step.memo.get(key)
+    if masks is None:  # once per step (and window): every layer attends the same pieces
+        masks = step.memo[key] = [_piece_mask(q1 - q0, k1 - k0, window, q.device) for q0, q1, k0, k1 in pieces_]
+    for (q0, q1, k0, k1), mask in zip(pieces_, masks):
         out = torch.nn.functional.scaled_dot_product_attention(
             qh[:, q0:q1].unsqueeze(0), kh[:, k0:k1].unsqueeze(0), vh[:, k0:k1].unsqueeze(0), attn_mask=mask,
             dropout_p=dropout_p, scale=scale, **extra)
