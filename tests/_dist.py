@@ -73,9 +73,9 @@ def run_cases(rank, cases):
     in a collective ends by the process group's timeout, not a hang.
     """
     results = {}
+    verbose = os.environ.get("TFCOMPAT_TEST_VERBOSE")
     for name, fn in cases:
-        if os.environ.get("TFCOMPAT_TEST_VERBOSE"):
-            print(f"[rank {rank}] {name}", file=sys.stderr, flush=True)
+        began = time.monotonic()
         try:
             fn()
             results[name] = "ok"
@@ -86,6 +86,8 @@ def run_cases(rank, cases):
         except Exception:
             results[name] += "\n(barrier after the case failed)"
             break
+        if verbose:
+            print(f"[rank {rank}] {name}: {time.monotonic() - began:.1f}s", file=sys.stderr, flush=True)
     return results
 
 

@@ -46,6 +46,23 @@ def rotary_families():
     return [n for n in installed() if not FAMILIES[n].nope]
 
 
+def one_per_rope_kernel(names):
+    """The first family of each shape a RoPE kernel sees: the resolved application plan (rotation, mRoPE
+    layout) and the rotary facts of the tiny config (head and rotary widths, mRoPE sections). The Triton
+    environments prove the kernel on these; the other implementations run on every family elsewhere."""
+    from tfcompat.config import rope_parameters
+
+    seen, out = set(), []
+    for name in names:
+        rp = rope_parameters(tiny_config(name))
+        key = (_resolve.resolve("rope.apply", name).plan, rp.head_dim, rp.rotary_dim, rp.mrope_section,
+               rp.mrope_interleaved)
+        if key not in seen:
+            seen.add(key)
+            out.append(name)
+    return out
+
+
 def patchable():
     """Installed families tfcompat.patch serves (the rest refuse it with a reason: tested in test_patch)."""
     return [n for n in installed() if not FAMILIES[n].patch_refusal]

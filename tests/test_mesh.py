@@ -24,6 +24,10 @@ from _models import padded, tiny_model, tiny_sequence
 # the workers are spawned once for the module: under pytest-xdist its tests stay on one worker
 pytestmark = pytest.mark.xdist_group("mesh")
 
+if os.environ.get("TFCOMPAT_BOUNDARY_TESTS") == "skip":
+    pytest.skip("the 2x2 mesh (FSDP2's and DeviceMesh's plumbing around the Ulysses forward every environment "
+                "proves) runs on the boundary releases of the matrix (tox.ini says which)", allow_module_level=True)
+
 HAVE = patchable()
 # the mesh is a mechanism: one VL family with 4-row ids (deepstack where the release has it); the text path
 # under Ulysses is test_distributed's
@@ -99,8 +103,7 @@ def _mesh_case(rank, world, name, how="ulysses"):
 
 def _cases(rank, world):
     cases = [(f"mesh:{n}", functools.partial(_mesh_case, rank, world, n)) for n in MESH_FAMILIES]
-    if os.environ.get("TFCOMPAT_BOUNDARY_TESTS") != "skip":
-        cases += [(f"mesh_cp:{n}", functools.partial(_mesh_case, rank, world, n, "context")) for n in MESH_FAMILIES]
+    cases += [(f"mesh_cp:{n}", functools.partial(_mesh_case, rank, world, n, "context")) for n in MESH_FAMILIES]
     return run_cases(rank, cases)
 
 
@@ -121,6 +124,4 @@ def test_fsdp2_times_ulysses_on_a_2x2_mesh(outcomes, name):
 @pytest.mark.parametrize("name", MESH_FAMILIES)
 def test_fsdp2_times_context_parallel_on_a_2x2_mesh(outcomes, name):
     """The second mesh dimension split by context parallelism instead of Ulysses (dp x cp)."""
-    if os.environ.get("TFCOMPAT_BOUNDARY_TESTS") == "skip":
-        pytest.skip("context parallelism runs on the boundary releases of the matrix (tox.ini says which)")
     assert_ok(outcomes, f"mesh_cp:{name}")

@@ -7,9 +7,21 @@ from tfcompat._families import FAMILIES as SPECS
 from tfcompat.config import rope_parameters
 from tfcompat.rope import apply_rope, apply_rope_
 
-from _helpers import TOL, installed, position_ids, rope_impls, rotary, rotary_families, triton_ready, upstream_rope
+from _helpers import (
+    TOL,
+    installed,
+    one_per_rope_kernel,
+    position_ids,
+    rope_impls,
+    rotary,
+    rotary_families,
+    triton_ready,
+    upstream_rope,
+)
 
-FAMILIES = rotary_families()
+# with triton (the interpreter environments) one family per kernel shape: the kernel sees the plan and widths,
+# not the family; every family runs every other implementation in the same release's main environment
+FAMILIES = one_per_rope_kernel(rotary_families()) if triton_ready() else rotary_families()
 SHAPES = [(1, 1), (1, 7), (2, 33), (3, 65)]
 
 

@@ -126,14 +126,33 @@ def _packed_call(model, ids, mask, pixels):
     return unpack(out.logits, pk), out
 
 
+def _ckpt_modes(i, name):
+    """The modes family ``i`` (of one per plan shape) runs: one of four pairs in turn (transformers' switch,
+    torch's wrapper on layers, selective checkpointing, the wrapper on the mixer alone; each pair a reentrant
+    and a non-reentrant mode, or the two SAC policies), so every mode runs on several families of different
+    shapes and every family under two modes; the mixer pair on every linear-attention family (its mixer is
+    another module); the wrapper applied before patch() where it matters (a linear-attention mixer needs the
+    layer found through the wrapper) and on the first family."""
+    modes = list(CKPT[2 * (i % 4): 2 * (i % 4) + 2])
+    if linear_attention(name):
+        modes += [m for m in ("mixer_reentrant", "mixer_non_reentrant") if m not in modes]
+    if linear_attention(name) or i == 0:
+        modes.append("mixer_reentrant_before_patch")
+    return modes
+
+
 def _ckpt_cases():
-    """Every mode on one family per plan shape; the wrapper applied before patch() on the families it
-    matters for (a linear-attention mixer needs the layer found through the wrapper) and one other."""
-    for how in CKPT:
-        for name in FAMILIES:
-            if how.endswith("_before_patch") and not (linear_attention(name) or name == FAMILIES[0]):
-                continue
+    for i, name in enumerate(FAMILIES):
+        for how in _ckpt_modes(i, name):
             yield pytest.param(name, how, id=f"{how}-{name}")
+
+
+def test_every_checkpoint_mode_runs():
+    """The rotation leaves no mode out (and runs each on two families or more where there are that many)."""
+    runs = [how for _, how in (p.values for p in _ckpt_cases())]
+    assert set(runs) == set(CKPT)
+    if len(FAMILIES) >= 8:
+        assert min(runs.count(m) for m in CKPT) >= 2, {m: runs.count(m) for m in CKPT}
 
 
 @pytest.mark.parametrize("name,how", list(_ckpt_cases()))
@@ -384,8 +403,21 @@ def _actor_batch(name, image):
     return ids, mask, response_mask, pixels
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-@pytest.mark.parametrize("layout", ["4bs", "b4s", "cu_kwargs"])
+def _rl_cases():
+    """Text families: per-sample ids, with and without the cu kwargs. Vision families: the (4, batch, seq) and
+    (batch, 4, seq) layouts in turn, and the cu kwargs."""
+    for name in FAMILIES:
+        layouts = [("4bs", "b4s")[VISION.index(name) % 2] if name in VISION else "4bs", "cu_kwargs"]
+        for layout in layouts:
+            yield pytest.param(name, layout, id=f"{layout}-{name}")
+
+
+def test_every_rl_layout_runs():
+    if len(VISION) >= 2:
+        assert {p.values[1] for p in _rl_cases()} == {"4bs", "b4s", "cu_kwargs"}
+
+
+@pytest.mark.parametrize("name,layout", list(_rl_cases()))
 def test_rl_actor_step_with_framework_shaped_inputs(name, layout):
     """Position ids built per sample ((4, batch, seq) or (batch, 4, seq), text row first), unpadded into one
     (4, 1, total) row, with or without cu_seq_lens_q/k + max_length_q/k: log-probs of every response token
