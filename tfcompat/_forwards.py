@@ -237,15 +237,17 @@ def _with_step_mask(layer, step, args, kwargs):
 
 
 def _checkpointed_forward(module, state):
-    """The function below transformers' per-class checkpoint wrapper when it would checkpoint now, else None."""
+    """The function below transformers' per-class checkpoint wrapper when it would checkpoint now, else None
+    (the wrapper's name is the ``layer.checkpointing`` resolution's, bound at patch time)."""
     import torch
 
-    if state.saved_forward is not None or not (getattr(module, "gradient_checkpointing", False) and module.training
-                                               and torch.is_grad_enabled()):
+    wrapper = getattr(state, "checkpoint_wrapper", "")
+    if not wrapper or state.saved_forward is not None or not (
+            getattr(module, "gradient_checkpointing", False) and module.training and torch.is_grad_enabled()):
         return None
     fwd = type(module).forward
     code = getattr(fwd, "__code__", None)
-    if code is None or code.co_name != "forward_with_checkpointing" or not hasattr(fwd, "__wrapped__"):
+    if code is None or code.co_name != wrapper or not hasattr(fwd, "__wrapped__"):
         return None
     return fwd.__wrapped__
 

@@ -88,6 +88,7 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
 
     resolutions = tuple(_resolve.resolve(kind, fam.name) for kind in ("rope.init", "rope.apply", "attention.signature"))
     plan = resolutions[2].plan
+    checkpointing = _resolve.resolve("layer.checkpointing", fam.name)
     module = resolutions[2].target
     attention_cls = getattr(module, fam.attention)
     text_cls = getattr(module, plan.text_model)
@@ -173,6 +174,8 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
                            slice_inputs=slice_inputs, cgroup=context_group, cworld=cworld)
             if kind == "layer" and linear_cls is not None:
                 state.linear_child = any(isinstance(c, linear_cls) for c in m.modules())
+            if kind == "layer":
+                state.checkpoint_wrapper = checkpointing.plan.wrapper
             if kind == "attention" and resolutions[1].plan.cos_rows == 3:
                 state.section = rope_parameters(m.config, model_type=fam.name).mrope_section
             if kind == "attention":

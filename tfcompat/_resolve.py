@@ -19,7 +19,7 @@ from . import version as _version
 from ._compat import transformers4
 from ._families import FAMILIES, PROBE_ONLY
 from ._families import family as _family
-from ._plans import AttentionPlan, RopeIndexPlan, RopeInitPlan, RopePlan  # noqa: F401 (public here)
+from ._plans import AttentionPlan, CheckpointPlan, RopeIndexPlan, RopeInitPlan, RopePlan  # noqa: F401 (public here)
 from ._source import _Def, _exists, _Imported, _load, _module, _read, _root, _Text  # noqa: F401 (re-exported)
 from .errors import TfcompatError, UnsupportedTransformersError
 
@@ -300,11 +300,53 @@ def _resolve_window(fam, capability):
                       reason, str(_version.transformers_version()), None, (fam.configuration, fam.config_class))
 
 
+_LAYERS = "transformers.modeling_layers"
+
+
+def _wraps_class_forward():
+    """Whether ``GradientCheckpointingLayer.__init_subclass__`` puts ``forward_with_checkpointing`` on each layer
+    class: read in its source, or (a stripped install) among the compiled hook's nested functions."""
+    if not _exists(_LAYERS):
+        return False
+    hook = _module(_LAYERS).method("GradientCheckpointingLayer", "__init_subclass__")
+    if hook is None:
+        return False
+    if hook.body:
+        return bool(re.search(r"def\s+forward_with_checkpointing\b", hook.body))
+    init = getattr(_load((_LAYERS, "GradientCheckpointingLayer.__init_subclass__")), "__func__", None)
+    return any(getattr(c, "co_name", "") == "forward_with_checkpointing"
+               for c in getattr(getattr(init, "__code__", None), "co_consts", ()))
+
+
+def _resolve_checkpointing(fam, capability):
+    """Named probe: where transformers checkpoints the family's decoder layers. Where it wraps the class's
+    ``forward`` (``forward_with_checkpointing``), the recomputation runs below the patched layer's scope, so
+    the patched layer checkpoints the unwrapped forward itself (``_forwards._checkpointed_forward``)."""
+    module = _modeling(fam, capability)
+    named = fam.attention.replace("Attention", "DecoderLayer")  # Qwen3VLTextAttention -> Qwen3VLTextDecoderLayer
+    layer = next((n for n in (named, f"{fam.prefix}TextDecoderLayer", f"{fam.prefix}DecoderLayer") if module.has(n)),
+                 named)
+    if _wraps_class_forward():
+        plan = CheckpointPlan("class forward", "forward_with_checkpointing")
+        reason = (f"GradientCheckpointingLayer wraps {layer}.forward (forward_with_checkpointing): the patched layer "
+                  f"checkpoints the unwrapped forward inside its step")
+    elif _exists(_LAYERS) and _module(_LAYERS).method("GradientCheckpointingLayer", "__call__") is not None:
+        plan = CheckpointPlan("layer call")
+        reason = f"GradientCheckpointingLayer.__call__ checkpoints {layer} above its patched forward"
+    else:
+        plan = CheckpointPlan("model loop")
+        reason = f"the text model's loop checkpoints each {layer} call above its patched forward"
+    where = f"{_LAYERS}.GradientCheckpointingLayer" if _exists(_LAYERS) else f"{module.name}.{layer}"
+    return Resolution(capability, plan.how, where, reason, str(_version.transformers_version()), plan,
+                      (_LAYERS, "GradientCheckpointingLayer") if _exists(_LAYERS) else (module.name, ""))
+
+
 _RESOLVERS = {
     "rope.apply": _resolve_rope_apply,
     "rope.init": _resolve_rope_init,
     "attention.signature": _resolve_attention,
     "attention.window": _resolve_window,
+    "layer.checkpointing": _resolve_checkpointing,
     "rope_index": _resolve_rope_index,
 }
 
