@@ -25,6 +25,13 @@ from _models import padded, split_vision_hidden, text_model, tiny_model, tiny_pi
 # the workers are spawned once for the module: under pytest-xdist its tests stay on one worker
 pytestmark = pytest.mark.xdist_group("distributed")
 
+if os.environ.get("TFCOMPAT_BOUNDARY_TESTS") == "skip":
+    # the patched attention on a slice of the heads, DDP/FSDP2 with a text-only rank and verl's whole-row call:
+    # torch's and verl's plumbing around the forwards every environment proves in process (test_patch,
+    # test_training, test_embeds), run on the boundary releases of the matrix
+    pytest.skip("Ulysses, DDP and FSDP2 over spawned ranks run on the boundary releases of the matrix (tox.ini "
+                "says which)", allow_module_level=True)
+
 HAVE = patchable()
 # the Ulysses mechanism on one family per plan shape (every family's numbers: test_patch, `tfcompat check`)
 ULYSSES = [n for n in one_per_shape(HAVE) if not linear_attention(n)]  # linear attention: refused (tested below)
@@ -32,12 +39,6 @@ VISION = [n for n in one_per_shape(HAVE) if SPECS[n].vision]
 # verl's whole-row call: a text family and the VL families verl slices (Qwen3-VL: deepstack rows too)
 WHOLE_ROW = [n for n in ("qwen2", "qwen2_vl", "qwen3_vl") if n in HAVE]
 VERL = verl_ulysses()
-# DDP / FSDP2 with a text-only rank and verl's whole-row call are torch's and verl's plumbing around forwards
-# every environment proves in process (test_training, test_embeds): they run on the boundary releases of the
-# matrix (tox.ini says which); the Ulysses cases (the patched attention on a slice of the heads) run everywhere
-PLUMBING = os.environ.get("TFCOMPAT_BOUNDARY_TESTS") != "skip"
-SKIP_PLUMBING = pytest.mark.skipif(not PLUMBING, reason="DDP/FSDP/whole-row plumbing runs on the boundary "
-                                   "releases of the matrix (tox.ini says which)")
 
 
 def _ulysses_worker(rank, world, name, kv_heads, ckpt):
@@ -195,10 +196,10 @@ def _patched_ddp_worker(rank, world, name, mode):
 
 def _cases(rank, world):
     cases = []
-    for name in VISION if PLUMBING else ():
+    for name in VISION:
         cases.append((f"patched_ddp:{name}", functools.partial(_patched_ddp_worker, rank, world, name, "ddp")))
     for name in ("qwen2_vl", "qwen3_vl"):
-        if name in HAVE and PLUMBING:
+        if name in HAVE:
             cases.append((f"patched_fsdp:{name}", functools.partial(_patched_ddp_worker, rank, world, name, "fsdp")))
     for i, name in enumerate(ULYSSES):
         kv = 1 if i % 2 else 2
@@ -208,11 +209,10 @@ def _cases(rank, world):
         if name in HAVE:
             cases.append((f"ulysses_vision:{name}", functools.partial(_ulysses_vision_worker, rank, world, name)))
     for name in ("qwen2_vl", "glm4v", "qwen3_vl"):
-        if name in HAVE and PLUMBING:
+        if name in HAVE:
             cases.append((f"ddp:{name}", functools.partial(_ddp_worker, rank, world, name, "ddp")))
-    if PLUMBING:
-        cases.append(("fsdp:qwen2_vl", functools.partial(_ddp_worker, rank, world, "qwen2_vl", "fsdp")))
-    for name in WHOLE_ROW if PLUMBING else ():
+    cases.append(("fsdp:qwen2_vl", functools.partial(_ddp_worker, rank, world, "qwen2_vl", "fsdp")))
+    for name in WHOLE_ROW:
         cases.append((f"whole_row:{name}", functools.partial(_whole_row_worker, rank, world, name)))
     cases.append(("bad_heads", functools.partial(_bad_heads_worker, rank, world)))
     cases.append(("unequal_lengths", functools.partial(_unequal_lengths_worker, rank, world)))
@@ -234,13 +234,11 @@ def test_ulysses_with_checkpointing_equals_padded(outcomes, name):
     assert_ok(outcomes, f"ulysses:{name}")
 
 
-@SKIP_PLUMBING
 @pytest.mark.parametrize("name", VISION)
 def test_patched_model_with_a_text_only_rank_under_ddp(outcomes, name):
     assert_ok(outcomes, f"patched_ddp:{name}")
 
 
-@SKIP_PLUMBING
 @pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_vl"])
 def test_patched_model_with_a_text_only_rank_under_fsdp2(outcomes, name):
     if name not in HAVE:
@@ -309,7 +307,6 @@ def _ddp_worker(rank, world, name, mode):
         assert moved, "vision weights never moved: rank 0's image gradients did not reach the update"
 
 
-@SKIP_PLUMBING
 @pytest.mark.parametrize("name", ["qwen2_vl", "glm4v", "qwen3_vl"])
 def test_ddp_with_a_text_only_rank(outcomes, name):
     if name not in HAVE:
@@ -317,7 +314,6 @@ def test_ddp_with_a_text_only_rank(outcomes, name):
     assert_ok(outcomes, f"ddp:{name}")
 
 
-@SKIP_PLUMBING
 def test_fsdp_with_a_text_only_rank(outcomes):
     assert_ok(outcomes, "fsdp:qwen2_vl")
 
@@ -408,7 +404,6 @@ def _whole_row_worker(rank, world, name):
         close_to_model(got.detach(), want.detach(), f"rank {rank} logits (verl's slicing)")
 
 
-@SKIP_PLUMBING
 @pytest.mark.parametrize("name", ["qwen2", "qwen2_vl", "qwen3_vl"])
 def test_whole_row_call_slices_after_embedding(outcomes, name):
     """verl's VLM Ulysses call, with verl's own ulysses_pad / gather_outputs_and_unpad where verl is installed."""
