@@ -44,8 +44,15 @@ def _start_method(fn):
 
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "transformers", "tfcompat",
-                                            "tfcompat.testing", "_dist", fn.__module__])
+    # transformers.modeling_utils: what every modeling module imports first (generation, weight loading,
+    # torch.distributed.tensor: seconds), then the modeling modules of the families the test module names
+    families = getattr(sys.modules.get(fn.__module__), "PRELOAD_FAMILIES", ())
+    from tfcompat._families import FAMILIES
+
+    modeling = [FAMILIES[n].modeling for n in families if n in FAMILIES]
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.fsdp", "transformers",
+                                            "transformers.modeling_utils",
+                                            *modeling, "tfcompat", "tfcompat.testing", "_dist", fn.__module__])
     return "forkserver"
 
 

@@ -36,6 +36,7 @@ HAVE = patchable()
 # packed numbers: test_patch and `tfcompat check`
 TEXT = [n for n in ("qwen2", "glm4", "qwen3_moe") if n in HAVE and not linear_attention(n)]
 VISION = [n for n in ("qwen2_vl", "qwen3_vl") if n in HAVE]
+PRELOAD_FAMILIES = TEXT + VISION  # imported once in the forkserver (_dist), not in every rank
 
 
 def _rows(name, vision=False):

@@ -39,6 +39,8 @@ VISION = [n for n in one_per_shape(HAVE) if SPECS[n].vision]
 # verl's whole-row call: a text family and the VL families verl slices (Qwen3-VL: deepstack rows too)
 WHOLE_ROW = [n for n in ("qwen2", "qwen2_vl", "qwen3_vl") if n in HAVE]
 VERL = verl_ulysses()
+# imported once in the forkserver (_dist), not in every rank
+PRELOAD_FAMILIES = sorted(set(ULYSSES + VISION + WHOLE_ROW))
 
 
 def _ulysses_worker(rank, world, name, kv_heads, ckpt):

@@ -33,6 +33,7 @@ HAVE = patchable()
 # under Ulysses is test_distributed's
 MESH_FAMILIES = [n for n in ("qwen3_vl" if "qwen3_vl" in HAVE else "qwen2_vl",) if n in HAVE]
 STEPS = 2
+PRELOAD_FAMILIES = MESH_FAMILIES  # imported once in the forkserver (_dist), not in every rank
 
 
 def _batches(name):
