@@ -9,9 +9,20 @@ no padding (what a framework without packing does at batch 1). Prints lower quar
 (one round runs each variant once), the largest spread (upper / lower quartile), and the ratios
 packed/padded and packed/one-at-a-time (target: packed <= one at a time, since packing runs the linear
 layers on all tokens at once).
+
+On CPU the packed row's activations are large (tens of MB each): glibc's malloc hands such blocks out by
+mmap and back on free, so every fresh activation page-faults (a 67 MB elementwise product: ~36 ms with the
+default allocator, 5 ms into reused memory). One sequence at a time works on blocks small enough to stay in
+the heap. Keep large blocks in the heap for a like-for-like comparison (what jemalloc or tcmalloc, the
+allocators PyTorch's CPU tuning guide recommends, do by themselves):
+
+    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 MALLOC_TOP_PAD_=1000000000 python bench/attention.py ...
+
+The first line printed names the allocator settings the run had.
 """
 
 import argparse
+import os
 import statistics
 import time
 
@@ -95,6 +106,8 @@ def main():
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {args.family}, hidden {args.hidden}, "
           f"{args.layers} layers, batch {args.batch}, max len {args.max_len}, padding {padding:.0%}, "
           f"lower quartile of {args.repeats} interleaved runs")
+    tuned = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "LD_PRELOAD"}
+    print("allocator:", " ".join(f"{k}={v}" for k, v in sorted(tuned.items())) or "glibc defaults")
     print(f"{'padded ms':>11}{'one at a time ms':>18}{'packed ms':>11}{'packed/padded':>15}{'packed/one':>12}"
           f"{'spread':>8}")
     print(f"{t_padded:11.1f}{t_single:18.1f}{t_packed:11.1f}{t_packed / t_padded:15.2f}{t_packed / t_single:12.2f}"
