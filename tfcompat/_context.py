@@ -150,17 +150,9 @@ def attend(q, k, v, step, pieces_, group, *, scale, window=None, dropout_p=0.0):
     """Causal attention of this rank's queries (s_local, heads, d) to the whole row's K/V.
 
     ``pieces_``: :func:`pieces` of the step (computed once per step). Returns (s_local, heads, d)."""
-    from .varlen import _sdpa_has_gqa
-
     k_all = _gather_kv(k, group)
     v_all = _gather_kv(v, group)
-    groups = q.shape[1] // k.shape[1]
-    extra = {}
-    if groups > 1 and _sdpa_has_gqa():
-        extra["enable_gqa"] = True  # kv heads shared, not copied
-    elif groups > 1:
-        k_all = k_all.repeat_interleave(groups, dim=1)
-        v_all = v_all.repeat_interleave(groups, dim=1)
+    extra = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}  # kv heads shared, not copied
     outs = []
     qh, kh, vh = q.transpose(0, 1), k_all.transpose(0, 1), v_all.transpose(0, 1)  # heads first
     key = ("context_masks", window, q.device)

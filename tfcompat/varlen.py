@@ -204,19 +204,10 @@ def _varlen(q, k, v, cu_seqlens, bounds, max_seqlen, *, causal, softmax_scale, w
     return _sdpa_fallback(q, k, v, bounds, softmax_scale, causal, window, dropout_p)
 
 
-@functools.lru_cache(maxsize=None)
-def _sdpa_has_gqa():
-    # a builtin without a readable signature: enable_gqa arrived in torch 2.5
-    from packaging.version import Version
-
-    return Version(torch.__version__.split("+")[0]) >= Version("2.5")
-
-
 def _sdpa_fallback(q, k, v, bounds, scale, causal, window, dropout_p):
     # 4-D (1, heads, len, d) inputs: SDPA picks its fused kernels (flash on CPU) for them, the math
     # kernel for 3-D ones; kv heads are shared through enable_gqa instead of materialised copies
-    groups = q.shape[1] // k.shape[1]
-    gqa = groups > 1 and _sdpa_has_gqa()
+    extra = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
     # one split per tensor (heads first): its backward is one concatenation of the per-sequence gradients,
     # where a slice per sequence would allocate and zero-fill a whole-row gradient for each sequence
     sizes = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
@@ -224,15 +215,11 @@ def _sdpa_fallback(q, k, v, bounds, scale, causal, window, dropout_p):
     outs = []
     for (qs, ks, vs), n in zip(parts, sizes):
         qs, ks, vs = qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0)
-        if groups > 1 and not gqa:
-            ks = ks.repeat_interleave(groups, dim=1)
-            vs = vs.repeat_interleave(groups, dim=1)
         mask = None
         if window is not None:
             i = torch.arange(n, device=q.device)
             dist = i[:, None] - i[None, :]
             mask = (dist >= 0) & (dist < window) if causal else dist.abs() < window
-        extra = {"enable_gqa": True} if gqa else {}
         out = torch.nn.functional.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=mask, dropout_p=dropout_p, is_causal=causal and mask is None, scale=scale, **extra)
         outs.append(out[0].transpose(0, 1))
