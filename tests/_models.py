@@ -6,19 +6,10 @@ import torch
 
 from tfcompat._families import family
 from tfcompat.embeds import mm_token_type_ids, rope_index
-from tfcompat.testing import tiny_model, tiny_pixels, tiny_sequence
+from tfcompat.testing import padded_batch, tiny_model, tiny_pixels, tiny_sequence
 
-PAD = 0
-
-
-def padded(rows):
-    length = max(len(r) for r in rows)
-    ids = torch.full((len(rows), length), PAD, dtype=torch.long)
-    mask = torch.zeros((len(rows), length), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r)
-        mask[i, : len(r)] = 1
-    return ids, mask
+PAD = 0  # the id padded_batch pads with
+padded = padded_batch
 
 
 def forward_kwargs(model, ids, **extra):

@@ -92,18 +92,6 @@ def _config_vs_rotary(name, config=None):
     return (rot.inv_freq.float() - want).abs().max().item()
 
 
-def _padded(rows):
-    import torch
-
-    length = max(len(r) for r in rows)
-    ids = torch.zeros((len(rows), length), dtype=torch.long)
-    mask = torch.zeros((len(rows), length), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r)
-        mask[i, : len(r)] = 1
-    return ids, mask
-
-
 def _forward_kwargs(model, ids, pixels):
     import inspect
 
@@ -134,7 +122,7 @@ def _packed_vs_padded(name, config=None, model=None):
     from ._families import family
     from .embeds import rope_index
     from .packing import pack, unpack
-    from .testing import tiny_pixels, tiny_sequence
+    from .testing import padded_batch, tiny_pixels, tiny_sequence
 
     # a model with its own weights (--model): text rows (the tiny rows' image ids are not its image ids)
     vision = family(name).vision and model is None
@@ -143,7 +131,7 @@ def _packed_vs_padded(name, config=None, model=None):
     longer = 2 * int(window) + 3 if window and int(window) < 16 else 5  # sequences longer than the window
     rows = [tiny_sequence(name, text=longer, image=vision, config=model.config),
             tiny_sequence(name, text=3, image=vision, image_first=True, config=model.config)]
-    ids, mask = _padded(rows)
+    ids, mask = padded_batch(rows)
     pixels = tiny_pixels(2 if vision else 0)
     ref = model(input_ids=ids, attention_mask=mask, use_cache=False, **_forward_kwargs(model, ids, pixels)).logits
     weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(0))

@@ -19,8 +19,8 @@ from ._families import FAMILIES as _FAMILIES
 from ._families import TEXT_HIDDEN
 from ._families import family as _family
 
-__all__ = ["tiny_config", "tiny_model", "tiny_sequence", "tiny_pixels", "model_class", "TINY_SECTIONS",
-           "assert_close_to_model", "MODEL_RTOL", "MODEL_ATOL"]
+__all__ = ["tiny_config", "tiny_model", "tiny_sequence", "tiny_pixels", "padded_batch", "model_class",
+           "TINY_SECTIONS", "assert_close_to_model", "MODEL_RTOL", "MODEL_ATOL"]
 
 #: The tolerance of whole-model comparisons (logits, gradients, parameters after optimizer steps; a patched
 #: packed row against upstream's padded batch, sharded ranks against one process), in fp32: the sums run in
@@ -166,6 +166,23 @@ def tiny_pixels(images: int = 0, videos: int = 0, seed: int = 0) -> dict:
         out["pixel_values_videos"] = torch.randn(32 * videos, patch_dim, generator=g)
         out["video_grid_thw"] = torch.tensor([[2, 4, 4]] * videos)
     return out
+
+
+def padded_batch(rows: Any) -> tuple:
+    """``(input_ids, attention_mask)`` of token rows, right-padded with id 0: the batch the unpatched model (the
+    oracle) runs, of rows such as :func:`tiny_sequence` gives.
+
+    .. versionadded:: 0.1.0
+    """
+    import torch
+
+    length = max(len(r) for r in rows)
+    ids = torch.zeros((len(rows), length), dtype=torch.long)
+    mask = torch.zeros((len(rows), length), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.as_tensor(r)
+        mask[i, : len(r)] = 1
+    return ids, mask
 
 
 def assert_close_to_model(got: Any, want: Any, what: str = "") -> None:
