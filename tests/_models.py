@@ -145,3 +145,23 @@ def split_vision_hidden(name, rows, patch_kwargs, split_kwargs, image_on_every_r
     got = gather_from_ranks(hidden, dim=1, length=pk.input_ids.shape[1], **split_kwargs)
     (got * weights).sum().backward()
     return got.detach(), want.detach(), model, ref
+
+
+def generate_on_this_rank(name, rank, patch_kwargs):
+    """generate() with a sequence-parallel-patched policy (an RL rollout with the policy being trained): this
+    rank's own prompts (they differ between ranks; an image for vision families) decode to the unpatched
+    model's tokens and logits; nothing is split."""
+    import tfcompat
+
+    vision = family(name).vision
+    ids = torch.tensor([tiny_sequence(name, text=4 + rank, image=vision)] * 2)
+    kw = dict(max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    plain = tiny_model(name)
+    extra = forward_kwargs(plain, ids, **tiny_pixels(2 if vision else 0, seed=rank))
+    want = plain.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **extra, **kw)
+    model = tiny_model(name)
+    tfcompat.patch(model, **patch_kwargs)
+    got = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **extra, **kw)
+    assert torch.equal(got.sequences, want.sequences), (got.sequences, want.sequences)
+    for g, w in zip(got.logits, want.logits):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)

@@ -7,6 +7,7 @@ The workers are spawned once for the module and run every case; each test assert
 """
 
 import functools
+import importlib.util
 import os
 
 import pytest
@@ -22,7 +23,15 @@ from tfcompat.ulysses import gather_from_ranks, slice_for_rank
 
 from _dist import assert_ok, merged, run_cases, spawn
 from _helpers import close_to_model, linear_attention, patchable
-from _models import forward_kwargs, padded, split_vision_hidden, tiny_model, tiny_pixels, tiny_sequence
+from _models import (
+    forward_kwargs,
+    generate_on_this_rank,
+    padded,
+    split_vision_hidden,
+    tiny_model,
+    tiny_pixels,
+    tiny_sequence,
+)
 
 pytestmark = pytest.mark.xdist_group("context")
 if os.environ.get("TFCOMPAT_BOUNDARY_TESTS") == "skip":
@@ -36,6 +45,7 @@ HAVE = patchable()
 # packed numbers: test_patch and `tfcompat check`
 TEXT = [n for n in ("qwen2", "glm4", "qwen3_moe") if n in HAVE and not linear_attention(n)]
 VISION = [n for n in ("qwen2_vl", "qwen3_vl") if n in HAVE]
+PEFT = importlib.util.find_spec("peft") is not None
 PRELOAD_FAMILIES = TEXT + VISION  # imported once in the forkserver (_dist), not in every rank
 
 
@@ -86,6 +96,42 @@ def _text_worker(rank, world, name, ckpt):
     (got * weights * mask[..., None]).sum().backward()
     valid = mask.bool()
     close_to_model(got.detach()[valid], want.detach()[valid], f"rank {rank} logits")
+    _summed_grads_close(model, ref, rank)
+
+
+def _peft_worker(rank, world, name):
+    """PEFT LoRA on the attention projections, then patch(context_group=...): the packed row split over the
+    ranks gives the unpatched LoRA model's logits on the padded batch, and every gradient (the LoRA weights';
+    the frozen base gets none on either side) summed over the ranks equals its."""
+    import peft
+
+    rows = _rows(name)
+    ids, mask = padded(rows)
+    pk = pack(ids, mask)
+    total = pk.input_ids.shape[1]
+    weights = torch.randn(*ids.shape, 256, generator=torch.Generator().manual_seed(4))
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False)
+
+    def lora_model():
+        base = tiny_model(name, num_key_value_heads=2)
+        torch.manual_seed(1)  # the same LoRA weights for both
+        return peft.get_peft_model(base, peft.LoraConfig(**lora))
+
+    ref = lora_model()
+    ref.train()
+    want = ref(input_ids=ids, attention_mask=mask).logits
+    (want * weights * mask[..., None]).sum().backward()
+    model = lora_model()
+    tfcompat.patch(model, context_group=dist.group.WORLD)
+    model.train()
+    group = dict(context_group=dist.group.WORLD)
+    local = model(input_ids=slice_for_rank(pk.input_ids, dim=1, **group),
+                  position_ids=slice_for_rank(pk.position_ids, dim=1, **group)).logits
+    got = unpack(gather_from_ranks(local, dim=1, length=total, **group), pk)
+    (got * weights * mask[..., None]).sum().backward()
+    valid = mask.bool()
+    close_to_model(got.detach()[valid], want.detach()[valid], f"rank {rank} logits")
+    assert any(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
     _summed_grads_close(model, ref, rank)
 
 
@@ -251,6 +297,8 @@ def _cases(rank, world):
         ckpt = ("non_reentrant", "reentrant", None)[i % 3]
         cases.append((f"text:{name}", functools.partial(_text_worker, rank, world, name, ckpt)))
     cases.append(("adamw:qwen2", functools.partial(_adamw_worker, rank, world, "qwen2")))
+    if PEFT:
+        cases.append(("peft:qwen2", functools.partial(_peft_worker, rank, world, "qwen2")))
     cases.append(("ulysses4:qwen2", functools.partial(_ulysses_four_worker, rank, world, "qwen2")))
     for name in VISION:
         cases.append((f"vision:{name}", functools.partial(_vision_worker, rank, world, name)))
@@ -259,6 +307,9 @@ def _cases(rank, world):
     for name, ckpt in (("qwen2", "non_reentrant"), ("qwen2_vl", None)):
         if name in HAVE:
             cases.append((f"two_d:{name}", functools.partial(_two_d_worker, rank, world, name, ckpt)))
+    for name in [n for n in ("qwen2", "qwen2_vl") if n in HAVE]:
+        cases.append((f"generate:{name}", functools.partial(generate_on_this_rank, name, rank,
+                                                            dict(context_group=dist.group.WORLD))))
     cases.append(("refusals", functools.partial(_refusals_worker, rank, world)))
     return run_cases(rank, cases)
 
@@ -271,6 +322,12 @@ def outcomes():
 @pytest.mark.parametrize("name", TEXT)
 def test_context_parallel_equals_padded(outcomes, name):
     assert_ok(outcomes, f"text:{name}")
+
+
+def test_peft_lora_under_context_parallel(outcomes):
+    if not PEFT:
+        pytest.skip("PEFT is installed in the tox envs whose release it supports")
+    assert_ok(outcomes, "peft:qwen2")
 
 
 def test_ulysses_alone_over_four_ranks(outcomes):
@@ -300,6 +357,14 @@ def test_context_times_ulysses_on_a_2x2_mesh(outcomes, name):
     if name not in HAVE:
         pytest.skip("not in this release")
     assert_ok(outcomes, f"two_d:{name}")
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen2_vl"])
+def test_generate_with_the_policy_being_trained(outcomes, name):
+    """An RL rollout on the context-parallel-patched policy: each rank's own prompts decode as unpatched."""
+    if name not in HAVE:
+        pytest.skip("not in this release")
+    assert_ok(outcomes, f"generate:{name}")
 
 
 def test_refusals(outcomes):

@@ -20,7 +20,15 @@ from tfcompat.ulysses import gather_from_ranks, slice_for_rank
 
 from _dist import assert_ok, merged, run_cases, spawn
 from _helpers import close_to_model, installed, linear_attention, one_per_shape, patchable, verl_ulysses  # noqa: F401
-from _models import padded, split_vision_hidden, text_model, tiny_model, tiny_pixels, tiny_sequence
+from _models import (
+    generate_on_this_rank,
+    padded,
+    split_vision_hidden,
+    text_model,
+    tiny_model,
+    tiny_pixels,
+    tiny_sequence,
+)
 
 # the workers are spawned once for the module: under pytest-xdist its tests stay on one worker
 pytestmark = pytest.mark.xdist_group("distributed")
@@ -216,6 +224,11 @@ def _cases(rank, world):
     cases.append(("fsdp:qwen2_vl", functools.partial(_ddp_worker, rank, world, "qwen2_vl", "fsdp")))
     for name in WHOLE_ROW:
         cases.append((f"whole_row:{name}", functools.partial(_whole_row_worker, rank, world, name)))
+    for name in ("qwen2", "qwen2_vl", "qwen3_vl"):
+        if name in HAVE:
+            for how, kw in (("ulysses", dict(ulysses_group=dist.group.WORLD)),
+                            ("whole_row", dict(ulysses_group=dist.group.WORLD, slice_inputs=True))):
+                cases.append((f"generate_{how}:{name}", functools.partial(generate_on_this_rank, name, rank, kw)))
     cases.append(("bad_heads", functools.partial(_bad_heads_worker, rank, world)))
     cases.append(("unequal_lengths", functools.partial(_unequal_lengths_worker, rank, world)))
     cases.append(("raw_all_to_all", functools.partial(_raw_all_to_all_worker, rank, world)))
@@ -404,6 +417,15 @@ def _whole_row_worker(rank, world, name):
         got = VERL.gather_outputs_and_unpad(local, gather_dim=1, unpad_dim=1, padding_size=pad, grad_scaler=False,
                                             group=dist.group.WORLD)
         close_to_model(got.detach(), want.detach(), f"rank {rank} logits (verl's slicing)")
+
+
+@pytest.mark.parametrize("how", ["ulysses", "whole_row"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen2_vl", "qwen3_vl"])
+def test_generate_with_the_policy_being_trained(outcomes, name, how):
+    """An RL rollout on the Ulysses-patched policy: each rank's own prompts decode as the unpatched model's."""
+    if name not in HAVE:
+        pytest.skip("not in this release")
+    assert_ok(outcomes, f"generate_{how}:{name}")
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen2_vl", "qwen3_vl"])

@@ -36,6 +36,10 @@ def _text_model_forward(self, *args, **kwargs):
     if a is None:
         return _original(self, state, *args, **kwargs)  # upstream says what is wrong with the call
     plan = _resolve.resolve("attention.signature", state.family).plan
+    if (state.split() or state.group_lost) and not explicit and any(a.get(n) is not None for n in _CACHE_NAMES):
+        # generate() with the policy being trained (an RL rollout): every rank decodes its own batch with its own
+        # KV cache, as the unpatched model does; nothing is split (a training slice carries no cache)
+        return _original(self, state, *args, **kwargs)
     state.group_or_raise()
     split = state.split()  # the sequence groups: Ulysses, context parallel, or both
     group = next(iter(split.values()), None)  # not None: the row is split over ranks
@@ -270,7 +274,7 @@ def _attention_forward(self, *args, **kwargs):
     pe = a.get("position_embeddings")
     step = _layer_step(self, pe)
     if step is None:
-        if state.split() or state.group_lost:
+        if (state.split() or state.group_lost) and not any(a.get(n) is not None for n in _CACHE_NAMES):
             raise UlyssesError(f"tfcompat {state.family}: a Ulysses- or context-parallel-patched attention was called "
                                f"outside a patched text model step; call the model (or its text model), not the layer")
         return _original(self, state, *args, **kwargs)  # not packed: upstream, unchanged
