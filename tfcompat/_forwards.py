@@ -36,9 +36,12 @@ def _text_model_forward(self, *args, **kwargs):
     if a is None:
         return _original(self, state, *args, **kwargs)  # upstream says what is wrong with the call
     plan = _resolve.resolve("attention.signature", state.family).plan
-    if (state.split() or state.group_lost) and not explicit and any(a.get(n) is not None for n in _CACHE_NAMES):
+    if (state.split() or state.group_lost) and not explicit and (
+            any(a.get(n) is not None for n in _CACHE_NAMES) or
+            (a.get("cache_position") is not None and a.get("use_cache") is not False)):
         # generate() with the policy being trained (an RL rollout): every rank decodes its own batch with its own
-        # KV cache, as the unpatched model does; nothing is split (a training slice carries no cache)
+        # KV cache, as the unpatched model does; nothing is split (a training slice carries no cache). 5.0-5.2
+        # prefill with no cache yet, which the text model creates: cache_position marks that call
         return _original(self, state, *args, **kwargs)
     state.group_or_raise()
     split = state.split()  # the sequence groups: Ulysses, context parallel, or both
