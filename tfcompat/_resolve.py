@@ -303,42 +303,31 @@ def _resolve_window(fam, capability):
 _LAYERS = "transformers.modeling_layers"
 
 
-def _wraps_class_forward():
-    """Whether ``GradientCheckpointingLayer.__init_subclass__`` puts ``forward_with_checkpointing`` on each layer
-    class: read in its source, or (a stripped install) among the compiled hook's nested functions."""
-    if not _exists(_LAYERS):
-        return False
-    hook = _module(_LAYERS).method("GradientCheckpointingLayer", "__init_subclass__")
-    if hook is None:
-        return False
-    if hook.body:
-        return bool(re.search(r"def\s+forward_with_checkpointing\b", hook.body))
-    init = getattr(_load((_LAYERS, "GradientCheckpointingLayer.__init_subclass__")), "__func__", None)
-    return any(getattr(c, "co_name", "") == "forward_with_checkpointing"
-               for c in getattr(getattr(init, "__code__", None), "co_consts", ()))
-
-
 def _resolve_checkpointing(fam, capability):
-    """Named probe: where transformers checkpoints the family's decoder layers. Where it wraps the class's
-    ``forward`` (``forward_with_checkpointing``), the recomputation runs below the patched layer's scope, so
-    the patched layer checkpoints the unwrapped forward itself (``_forwards._checkpointed_forward``)."""
+    """Named probe: where transformers checkpoints the family's decoder layers. Where
+    ``GradientCheckpointingLayer.__init_subclass__`` wraps each class's ``forward`` (``forward_with_checkpointing``:
+    read in its source, or in a stripped install among the compiled hook's nested functions), the recomputation
+    runs below the patched layer's scope, so the patched layer checkpoints the unwrapped forward itself."""
     module = _modeling(fam, capability)
     named = fam.attention.replace("Attention", "DecoderLayer")  # Qwen3VLTextAttention -> Qwen3VLTextDecoderLayer
-    layer = next((n for n in (named, f"{fam.prefix}TextDecoderLayer", f"{fam.prefix}DecoderLayer") if module.has(n)),
-                 named)
-    if _wraps_class_forward():
-        plan = CheckpointPlan("class forward", "forward_with_checkpointing")
-        reason = (f"GradientCheckpointingLayer wraps {layer}.forward (forward_with_checkpointing): the patched layer "
-                  f"checkpoints the unwrapped forward inside its step")
-    elif _exists(_LAYERS) and _module(_LAYERS).method("GradientCheckpointingLayer", "__call__") is not None:
-        plan = CheckpointPlan("layer call")
-        reason = f"GradientCheckpointingLayer.__call__ checkpoints {layer} above its patched forward"
+    layer = next((n for n in (named, f"{fam.prefix}DecoderLayer") if module.has(n)), named)
+    layers = _module(_LAYERS) if _exists(_LAYERS) else None
+    hook = layers.method("GradientCheckpointingLayer", "__init_subclass__") if layers else None
+    if hook is not None and not hook.body:
+        init = getattr(_load((_LAYERS, "GradientCheckpointingLayer.__init_subclass__")), "__func__", None)
+        wraps = any(getattr(c, "co_name", "") == "forward_with_checkpointing"
+                    for c in getattr(getattr(init, "__code__", None), "co_consts", ()))
     else:
-        plan = CheckpointPlan("model loop")
-        reason = f"the text model's loop checkpoints each {layer} call above its patched forward"
-    where = f"{_LAYERS}.GradientCheckpointingLayer" if _exists(_LAYERS) else f"{module.name}.{layer}"
-    return Resolution(capability, plan.how, where, reason, str(_version.transformers_version()), plan,
-                      (_LAYERS, "GradientCheckpointingLayer") if _exists(_LAYERS) else (module.name, ""))
+        wraps = hook is not None and bool(re.search(r"def\s+forward_with_checkpointing\b", hook.body))
+    if wraps:
+        plan, reason = CheckpointPlan("class forward", "forward_with_checkpointing"), (
+            f"GradientCheckpointingLayer wraps {layer}.forward (forward_with_checkpointing): checkpointed in its step")
+    elif layers and layers.method("GradientCheckpointingLayer", "__call__") is not None:
+        plan, reason = CheckpointPlan("layer call"), f"GradientCheckpointingLayer.__call__ checkpoints {layer}"
+    else:
+        plan, reason = CheckpointPlan("model loop"), f"the text model's loop checkpoints each {layer} call"
+    at = (_LAYERS, "GradientCheckpointingLayer") if layers else (module.name, layer)
+    return Resolution(capability, plan.how, ".".join(at), reason, str(_version.transformers_version()), plan, at)
 
 
 _RESOLVERS = {
