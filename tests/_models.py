@@ -165,3 +165,21 @@ def generate_on_this_rank(name, rank, patch_kwargs):
     assert torch.equal(got.sequences, want.sequences), (got.sequences, want.sequences)
     for g, w in zip(got.logits, want.logits):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+    # a packed row with a cache is not a generation step: refused, not handed to upstream unsplit
+    import pytest
+
+    from tfcompat.errors import UlyssesError
+
+    row = torch.tensor([tiny_sequence(name, text=3) + tiny_sequence(name, text=4)])
+    pos = torch.cat((torch.arange(len(tiny_sequence(name, text=3))), torch.arange(len(tiny_sequence(name, text=4)))))
+    with pytest.raises(UlyssesError, match="packed row"):
+        model(input_ids=row, position_ids=pos[None], past_key_values=_dynamic_cache(model))
+
+
+def _dynamic_cache(model):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # 4.x: no config argument
+        return DynamicCache()

@@ -36,20 +36,26 @@ def _text_model_forward(self, *args, **kwargs):
     if a is None:
         return _original(self, state, *args, **kwargs)  # upstream says what is wrong with the call
     plan = _resolve.resolve("attention.signature", state.family).plan
+    ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
+    if ref is None:
+        return _original(self, state, *args, **kwargs)
+    _boundaries.check_position_shape(state.family, a.get("position_ids"), ref.shape[0], ref.shape[1])
     if (state.split() or state.group_lost) and not explicit and (
             any(a.get(n) is not None for n in _CACHE_NAMES) or
             (a.get("cache_position") is not None and a.get("use_cache") is not False)):
         # generate() with the policy being trained (an RL rollout): every rank decodes its own batch with its own
         # KV cache, as the unpatched model does; nothing is split (a training slice carries no cache). 5.0-5.2
-        # prefill with no cache yet, which the text model creates: cache_position marks that call
+        # prefill with no cache yet, which the text model creates: cache_position marks that call. A packed row
+        # cannot be decoded so (its sequences would share the cache): refused, as without a group
+        if _boundaries.find_step(state, None, {}, a.get("position_ids"), a.get("attention_mask"), ref.shape[0],
+                                 ref.shape[1], ref.device) is not None:
+            raise UlyssesError(f"tfcompat {state.family}: a packed row (or a sequence-parallel slice of one) was "
+                               f"passed with a KV cache or cache_position; pass use_cache=False and no "
+                               f"past_key_values for training, or unpack the row for generation")
         return _original(self, state, *args, **kwargs)
     state.group_or_raise()
     split = state.split()  # the sequence groups: Ulysses, context parallel, or both
     group = next(iter(split.values()), None)  # not None: the row is split over ranks
-    ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
-    if ref is None:
-        return _original(self, state, *args, **kwargs)
-    _boundaries.check_position_shape(state.family, a.get("position_ids"), ref.shape[0], ref.shape[1])
     if split and state.slice_inputs:
         a = _boundaries.slice_whole_row(self, state, a, explicit)
         ref = a["inputs_embeds"]
