@@ -132,6 +132,35 @@ def test_incremental_decoding_falls_through(name):
     assert torch.equal(want, got)
 
 
+@pytest.mark.parametrize("name", ["qwen2", "qwen2_vl"])
+def test_one_sequence_with_explicit_boundaries_runs_upstream(name):
+    """A row that holds one sequence, its boundaries passed (a collator's batch of one): validated, then upstream's
+    own path, bit-identical to the unpatched model (packing only changes rows that hold several sequences)."""
+    if name not in FAMILIES:
+        pytest.skip("not in this release")
+    vision = bool(SPECS[name].vision)
+    ids = torch.tensor([tiny_sequence(name, text=6, image=vision)])
+    pixels = tiny_pixels(1 if vision else 0)
+    model = tiny_model(name)
+    ones = torch.ones_like(ids)
+    pk = pack(ids, ones, three_d_positions(model, ids, ones, pixels) if vision else None, vision=vision)
+    cu = torch.tensor([0, ids.shape[1]], dtype=torch.int32)
+    with torch.no_grad():
+        extra = forward_kwargs(model, ids, **pixels)
+        # the oracle counts positions itself (4.51-4.57 take no 4-row ids, nor 3-row ids without a mask)
+        want = run_upstream(lambda: model(input_ids=ids, attention_mask=torch.ones_like(ids), **extra).logits)
+        call = dict(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False, **extra)
+        tfcompat.patch(model)
+        got = [model(**call, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=ids.shape[1]).logits,
+               model(**call, seq_idx=torch.zeros_like(ids, dtype=torch.int32)).logits]
+        with packed(cu):
+            got.append(model(**call).logits)
+        for g in got:
+            assert torch.equal(g, want)
+        with pytest.raises(PackingError, match="max_length_q is 5"):  # still validated
+            model(**call, cu_seq_lens_q=cu, max_length_q=5)
+
+
 def test_boundaries_from_the_packed_context_and_kwargs():
     name = "qwen2"
     model, ids, mask, _ = _padded_and_packed(name, "text")

@@ -264,6 +264,8 @@ def find_step(state, group, explicit, position_ids, mask, batch, local, device):
                     f"restart at 0 at {starts}; RoPE and attention would disagree about where sequences begin; "
                     f"pass position ids that count from 0 in every sequence of {source} (as "
                     f"DataCollatorWithFlattening and tfcompat.packing.pack build them)")
+        if group is None and len(step.bounds) == 2:
+            return None  # validated, and one sequence: upstream's own path is exact (as for position ids)
         return step
 
     if position_ids is None:
