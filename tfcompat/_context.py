@@ -8,8 +8,8 @@ same causal work: an early chunk (few keys) and a late one (many keys).
 Per attention layer each rank gathers K/V of every rank (``torch.distributed.nn.functional.all_gather``:
 its backward sums every rank's gradient into the owner's slice), puts them in row order and attends each
 of its query chunks, per packed sequence, to that sequence's keys up to the query (causal, bottom-right
-aligned). Exact on every device: SDPA per (chunk, sequence) piece on the CPU, flash-attn's varlen kernel
-(whose causal mask aligns bottom-right) on CUDA where it is installed.
+aligned). Exact on every device: one SDPA call per (chunk, sequence) piece with its causal mask, the CPU and
+CUDA alike (a varlen or ring kernel for CUDA is not built: its causal alignment needs checking on a GPU).
 """
 
 from __future__ import annotations
