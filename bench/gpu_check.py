@@ -11,6 +11,10 @@
    has no GPT-J kernel) vs a bandwidth copy (``q.clone(); k.clone()``, the physical limit), forward and
    forward+backward, with the Triton result checked against upstream's. Targets: Triton forward within 1.3x
    of the copy, forward+backward at most 0.5x upstream's, faster than Liger's.
+5. Context-parallel pieces (fewer queries than keys: a rank's query chunk at the end of its sequence's keys)
+   through flash-attn's and PyTorch's varlen kernels with ``cu_seqlens_q != cu_seqlens_k``: whether their
+   causal mask aligns bottom-right, as tfcompat's SDPA pieces do (what a CUDA kernel for ``context_group``
+   would rely on; tfcompat does not use one yet).
 Prints one line per check with the max abs difference and the tolerance; exits non-zero on failure.
 """
 
@@ -70,9 +74,65 @@ def main():
                   f"{res['max_abs_diff']:.3g} (tol {res['tolerance']:.2g}) {res['error'] or ''}")
     finally:
         torch.set_default_device("cpu")
+    failures += piece_alignment(dev)
     del varlen
     failures += rope_speed(dev)
     return 1 if failures else 0
+
+
+def pieces_reference(q, k, v, cu_q, cu_k, scale):
+    """Each piece's queries are the last of its keys and see the keys up to themselves (bottom-right causal):
+    tfcompat's context-parallel SDPA pieces, piece by piece."""
+    outs = []
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for q0, q1, k0, k1 in zip(bq[:-1], bq[1:], bk[:-1], bk[1:]):
+        nq, nk = q1 - q0, k1 - k0
+        i = torch.arange(nq, device=q.device)[:, None] + (nk - nq)
+        mask = torch.arange(nk, device=q.device)[None, :] <= i
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q[q0:q1].transpose(0, 1)[None], k[k0:k1].transpose(0, 1)[None], v[k0:k1].transpose(0, 1)[None],
+            attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        outs.append(out[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def piece_alignment(dev):
+    """Check 5: varlen kernels on pieces with fewer queries than keys, against the bottom-right reference."""
+    from tfcompat import _backends, varlen
+
+    g = torch.Generator(device=dev).manual_seed(1)
+    cu_q = torch.tensor([0, 300, 450, 451], dtype=torch.int32, device=dev)   # query chunks of three sequences
+    cu_k = torch.tensor([0, 700, 900, 1000], dtype=torch.int32, device=dev)  # each sequence's keys up to them
+    q = torch.randn(451, 8, 64, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    k = torch.randn(1000, 2, 64, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    v = torch.randn(1000, 2, 64, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    ref = pieces_reference(q, k, v, cu_q, cu_k, 64 ** -0.5)
+    go = torch.randn_like(ref)
+    want = torch.autograd.grad(ref, (q, k, v), go)
+    kernels = {}
+    if varlen.flash_attn_available(q):
+        kernels["flash-attn varlen (causal)"] = lambda: _backends.flash_varlen()(
+            q, k, v, cu_q, cu_k, 300, 700, softmax_scale=64 ** -0.5, causal=True)
+    if _backends.torch_ships("nn/attention/varlen.py"):
+        kernels["torch varlen_attn (window (-1, 0))"] = lambda: varlen._torch_varlen()(
+            q, k, v, cu_q, cu_k, 300, 700, scale=64 ** -0.5, window_size=(-1, 0), enable_gqa=True)
+    failures = 0
+    for label, run in kernels.items():
+        try:
+            out = run()
+            got = torch.autograd.grad(out, (q, k, v), go)
+        except Exception as exc:  # report and go on: the answer is what this check is for
+            print(f"[FAIL] context piece through {label}: {type(exc).__name__}: {exc}")
+            failures += 1
+            continue
+        diff = max((out - ref).abs().max().item(), *[(a - b).abs().max().item() for a, b in zip(got, want)])
+        ok = diff <= 2e-2
+        print(f"[{'ok' if ok else 'FAIL'}] context piece through {label}: "
+              f"{'bottom-right' if ok else 'NOT bottom-right (or wrong)'}, max|diff| {diff:.3g} (tol 2e-2)")
+        failures += not ok
+    if not kernels:
+        print("[skip] context pieces: neither flash-attn nor torch.nn.attention.varlen here")
+    return failures
 
 
 def cuda_ms(fn, repeats=20, setup=None):
