@@ -17,7 +17,7 @@ import torch.distributed as dist
 import tfcompat
 from tfcompat._families import FAMILIES as SPECS
 from tfcompat.embeds import rope_index
-from tfcompat.errors import UlyssesError
+from tfcompat.errors import PackingError, UlyssesError
 from tfcompat.packing import pack, unpack
 from tfcompat.ulysses import gather_from_ranks, slice_for_rank
 
@@ -279,6 +279,32 @@ def _ulysses_four_worker(rank, world, name):
     _summed_grads_close(model, ref, rank)
 
 
+def _explicit_boundaries_worker(rank, world):
+    """The whole row's boundaries passed as the flattening collator's keyword arguments beside each rank's slice:
+    the same logits as from the sliced position ids, also where the row's padding (7 tokens of 16) is longer than
+    every sequence (3 tokens: max_length_q/k name the longest real one); a max_length_k that disagrees is refused
+    on every rank. Ulysses over the 4 ranks and context parallel over them alike."""
+    rows = [tiny_sequence("qwen2", text=3)] * 3
+    pk = pack(*padded(rows))
+    cu, longest = pk.cu_seqlens, pk.max_seqlen
+    assert longest == 3
+    for kw in (dict(context_group=dist.group.WORLD), dict(ulysses_group=dist.group.WORLD)):
+        model = tiny_model("qwen2", num_key_value_heads=2)
+        tfcompat.patch(model, **kw)
+        group = {k: v for k, v in kw.items() if k == "context_group"}
+        both = dict(group=kw.get("ulysses_group"), **group)  # gather_from_ranks names the Ulysses group group=
+        ids = slice_for_rank(pk.input_ids, dim=1, **group)
+        pos = slice_for_rank(pk.position_ids, dim=1, **group)
+        n = pk.input_ids.shape[1]
+        with torch.no_grad():  # the real tokens (the padding is one sequence here, one per token from positions)
+            want = gather_from_ranks(model(input_ids=ids, position_ids=pos).logits, dim=1, length=n, **both)
+            got = model(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
+                        max_length_k=longest).logits
+            assert torch.equal(gather_from_ranks(got, dim=1, length=n, **both), want), kw
+            with pytest.raises(PackingError, match="max_length_k is 7"):
+                model(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, max_length_q=longest, max_length_k=7)
+
+
 def _refusals_worker(rank, world):
     model = tiny_model("qwen2")
     tfcompat.patch(model, context_group=dist.group.WORLD)
@@ -310,6 +336,7 @@ def _cases(rank, world):
     for name in [n for n in ("qwen2", "qwen2_vl") if n in HAVE]:
         cases.append((f"generate:{name}", functools.partial(generate_on_this_rank, name, rank,
                                                             dict(context_group=dist.group.WORLD))))
+    cases.append(("explicit_boundaries", functools.partial(_explicit_boundaries_worker, rank, world)))
     cases.append(("refusals", functools.partial(_refusals_worker, rank, world)))
     return run_cases(rank, cases)
 
@@ -365,6 +392,10 @@ def test_generate_with_the_policy_being_trained(outcomes, name):
     if name not in HAVE:
         pytest.skip("not in this release")
     assert_ok(outcomes, f"generate:{name}")
+
+
+def test_explicit_boundaries_beside_the_slices(outcomes):
+    assert_ok(outcomes, "explicit_boundaries")
 
 
 def test_refusals(outcomes):

@@ -29,14 +29,19 @@ class Step:
     memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
-def make_step(cu, total, max_len=None, what="boundaries"):
+def make_step(cu, total, max_len=None, what="boundaries", max_len_k=None, tail=False):
+    """``tail``: the last range is the padding a sequence-parallel row was given (not the caller's sequence)."""
     from .varlen import check_cu_seqlens
 
     bounds = check_cu_seqlens(cu, total, what)
-    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-    if max_len is not None and int(max_len) != longest:
-        raise PackingError(f"tfcompat: max_length_q is {int(max_len)} but the longest sequence of cu_seq_lens_q "
-                           f"{list(bounds)} has {longest} tokens; pass both from the same collator")
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    longest = max(lengths)
+    real = max(lengths[:-1]) if tail else longest
+    for name, given in (("max_length_q", max_len), ("max_length_k", max_len_k)):
+        if given is not None and int(given) != real:
+            raise PackingError(f"tfcompat: {name} is {int(given)} but the longest sequence of {what} "
+                               f"{list(bounds[:-1] if tail else bounds)} has {real} tokens; pass both from the "
+                               f"same collator")
     import torch
 
     return Step(cu.to(torch.int32), bounds, longest, total)
@@ -252,9 +257,11 @@ def find_step(state, group, explicit, position_ids, mask, batch, local, device):
         if valid is not None:
             raise PackingError(f"tfcompat: {source} marks a packed row, but attention_mask has padding in it; "
                                f"drop the padding (tfcompat.packing.pack does) or pass no mask")
-        if group is not None and int(cu[-1]) < total:
+        tail = group is not None and int(cu[-1]) < total
+        if tail:
             cu = torch.cat((cu.to(device), torch.tensor([total], dtype=cu.dtype, device=device)))  # padded tail
-        step = make_step(cu.to(device), total, explicit.get("max_length_q"), source)
+        step = make_step(cu.to(device), total, explicit.get("max_length_q"), source, explicit.get("max_length_k"),
+                         tail)
         text = text_row(position_ids)
         if text is not None and group is None:
             starts = starts_of(text[0], None, "position ids")
