@@ -5,8 +5,8 @@ Layout ("zigzag", causal load balance): the row, padded to a multiple of ``2 * c
 equal chunks; rank ``r`` holds chunk ``r`` and chunk ``2c - 1 - r``, in that order. Every rank then does the
 same causal work: an early chunk (few keys) and a late one (many keys).
 
-Per attention layer each rank gathers K/V of every rank (``torch.distributed.nn.functional.all_gather``:
-its backward sums every rank's gradient into the owner's slice), puts them in row order and attends each
+Per attention layer each rank gathers K/V of every rank (an all-gather whose backward sums every rank's
+gradient into the owner's slice: a reduce-scatter on NCCL), puts them in row order and attends each
 of its query chunks, per packed sequence, to that sequence's keys up to the query (causal, bottom-right
 aligned). Exact on every device: one SDPA call per (chunk, sequence) piece with its causal mask, the CPU and
 CUDA alike (a varlen or ring kernel for CUDA is not built: its causal alignment needs checking on a GPU).
