@@ -82,13 +82,13 @@ def main():
 
 def pieces_reference(q, k, v, cu_q, cu_k, scale):
     """Each piece's queries are the last of its keys and see the keys up to themselves (bottom-right causal):
-    tfcompat's context-parallel SDPA pieces, piece by piece."""
+    tfcompat's context-parallel SDPA pieces (their mask), piece by piece."""
+    from tfcompat._context import _piece_mask
+
     outs = []
     bq, bk = cu_q.tolist(), cu_k.tolist()
     for q0, q1, k0, k1 in zip(bq[:-1], bq[1:], bk[:-1], bk[1:]):
-        nq, nk = q1 - q0, k1 - k0
-        i = torch.arange(nq, device=q.device)[:, None] + (nk - nq)
-        mask = torch.arange(nk, device=q.device)[None, :] <= i
+        mask = _piece_mask(q1 - q0, k1 - k0, None, q.device)
         out = torch.nn.functional.scaled_dot_product_attention(
             q[q0:q1].transpose(0, 1)[None], k[k0:k1].transpose(0, 1)[None], v[k0:k1].transpose(0, 1)[None],
             attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
