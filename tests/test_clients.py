@@ -104,7 +104,7 @@ def _examples(name, n=6):
     return [{"input_ids": tiny_sequence(name, text=k)} for k in lengths]
 
 
-def _trainer_losses(model, examples, collator, tmp_path):
+def _trainer_losses(model, examples, collator, tmp_path, batch=3):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (installed by the tox envs)")
     losses = []
@@ -115,7 +115,7 @@ def _trainer_losses(model, examples, collator, tmp_path):
                 losses.append(logs["loss"])
 
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=3, max_steps=3, learning_rate=1e-3, logging_steps=1,
+        output_dir=str(tmp_path), per_device_train_batch_size=batch, max_steps=3, learning_rate=1e-3, logging_steps=1,
         gradient_checkpointing=True, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=examples, data_collator=collator,
                                    callbacks=[Record()])
@@ -144,6 +144,21 @@ def test_trainer_with_the_flattening_collator_equals_padded(name, tmp_path):
     model = tiny_model(name)
     tfcompat.patch(model)
     got = _trainer_losses(model, _examples(name), DataCollatorWithFlattening(**flags), tmp_path / "packed")
+    assert len(want) == 3 and got == pytest.approx(want, rel=1e-4, abs=1e-4)
+
+
+def test_trainer_with_the_flattening_collator_one_example_per_batch(tmp_path):
+    """Batches of one example: each row holds one sequence, its boundaries passed by every flag of the collator
+    (validated, then upstream's own path): the unpatched Trainer's losses on the same examples."""
+    from transformers import DataCollatorWithFlattening
+
+    name = next(n for n in ("qwen2", "qwen3") if n in ALL)
+    params = inspect.signature(DataCollatorWithFlattening).parameters
+    flags = {k: True for k in ("return_flash_attn_kwargs", "return_position_ids", "return_seq_idx") if k in params}
+    want = _trainer_losses(tiny_model(name), _examples(name), _padded_collator, tmp_path / "padded", batch=1)
+    model = tiny_model(name)
+    tfcompat.patch(model)
+    got = _trainer_losses(model, _examples(name), DataCollatorWithFlattening(**flags), tmp_path / "packed", batch=1)
     assert len(want) == 3 and got == pytest.approx(want, rel=1e-4, abs=1e-4)
 
 
