@@ -7,7 +7,7 @@ import torch
 
 import tfcompat
 from tfcompat._families import FAMILIES as SPECS
-from tfcompat.errors import UnsupportedTransformersError
+from tfcompat.errors import TfcompatError, UnsupportedTransformersError
 from tfcompat.packing import pack, packed, unpack
 from tfcompat.varlen import PackingError
 
@@ -172,6 +172,38 @@ def test_boundaries_from_the_packed_context_and_kwargs():
         with packed(pk.cu_seqlens):
             got = model(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False).logits
     close_to_model(got, want, "context")
+
+
+@pytest.mark.parametrize("name,lost", [("qwen2", "position embeddings"), ("qwen3_5", "attention mask")])
+def test_a_mixer_whose_call_lost_the_step_is_refused(name, lost):
+    """The step reaches each mixer only in its own call's arguments (the position embeddings; the linear
+    mixers' mask): a pre-hook that rebuilds them (here: casts cos/sin, or drops the mask) is refused in the
+    forward, where a lookup of the step elsewhere would hold only until a recomputation in another thread."""
+    if name not in FAMILIES:
+        pytest.skip(f"{name} is not patchable on this release")
+    model, ids, mask, _ = _padded_and_packed(name, "text")
+    pk = pack(ids, mask, vision=False)
+    tfcompat.patch(model)
+    if lost == "attention mask" and not linear_attention(name):
+        pytest.skip(f"{name} has no linear-attention layers on this release")
+
+    def rebuild(module, args, kwargs):
+        if lost == "position embeddings":
+            kwargs["position_embeddings"] = tuple(t.to(torch.float32) for t in kwargs["position_embeddings"])
+        else:
+            kwargs["attention_mask"] = None
+        return args, kwargs
+
+    ending = "Attention" if lost == "position embeddings" else "GatedDeltaNet"
+    mixers = [m for m in model.modules() if type(m).__name__.endswith(ending)]
+    assert mixers
+    handles = [m.register_forward_pre_hook(rebuild, with_kwargs=True) for m in mixers]
+    call = dict(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False)
+    with pytest.raises(TfcompatError, match=f"without the {lost} its decoder layer passed"):
+        model(**call)
+    for h in handles:
+        h.remove()
+    model(**call)  # the same call without the hooks runs
 
 
 def test_three_row_ids_of_a_packed_row_are_refused():

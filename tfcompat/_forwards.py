@@ -209,8 +209,7 @@ def _layer_forward(self, *args, **kwargs):
     state = getattr(self, _ATTR)
     step = next((v.step for v in (*args, *kwargs.values()) if isinstance(v, _Carried)), None)
     if step is None:
-        scope = _scoped()
-        if scope is not None and scope[0] == "step":
+        if _in_step():
             raise TfcompatError(
                 f"tfcompat {state.family}: {type(self).__name__} did not receive the position embeddings of this "
                 f"packed step, so it cannot tell where sequences begin; a wrapper around the decoder layer that "
@@ -220,20 +219,9 @@ def _layer_forward(self, *args, **kwargs):
         return _original(self, state, *args, **kwargs)
     if getattr(state, "linear_child", False):
         args, kwargs = _with_step_mask(self, step, args, kwargs)
-    raw = _checkpointed_forward(self, state)
-    if raw is not None:
-        # transformers checkpoints the class forward itself (5.2x GradientCheckpointingLayer wraps
-        # ``cls.forward``), so its recomputation would run below this scope; checkpoint here instead, with
-        # the scope inside the recomputed function (a packed step has no cache to flip off)
-        import functools
-
-        def scoped(*a, **k):
-            with _Scope(("layer", step)):
-                return raw(self, *a, **k)
-
-        return self._gradient_checkpointing_func(functools.partial(scoped, **kwargs), *args)
-    with _Scope(("layer", step)):
-        return _original(self, state, *args, **kwargs)
+    # the step rides in the call's own arguments (the position embeddings, the linear mixers' mask): whoever
+    # checkpoints the layer (transformers' switch on any release, torch's wrappers) replays them as they are
+    return _original(self, state, *args, **kwargs)
 
 
 def _with_step_mask(layer, step, args, kwargs):
@@ -249,27 +237,19 @@ def _with_step_mask(layer, step, args, kwargs):
     return args, {**kwargs, "attention_mask": _StepMask(step)} if "attention_mask" in names else kwargs
 
 
-def _checkpointed_forward(module, state):
-    """The function below transformers' per-class checkpoint wrapper when it would checkpoint now, else None
-    (the wrapper's name is the ``layer.checkpointing`` resolution's, bound at patch time)."""
-    import torch
-
-    wrapper = getattr(state, "checkpoint_wrapper", "")
-    if not wrapper or state.saved_forward is not None or not (
-            getattr(module, "gradient_checkpointing", False) and module.training and torch.is_grad_enabled()):
-        return None
-    fwd = type(module).forward
-    code = getattr(fwd, "__code__", None)
-    if code is None or code.co_name != wrapper or not hasattr(fwd, "__wrapped__"):
-        return None
-    return fwd.__wrapped__
-
-
-def _layer_step(module, position_embeddings=None):
-    if isinstance(position_embeddings, _Carried):
-        return position_embeddings.step
+def _in_step():
+    """True inside a patched text model's packed step (this thread): a tripwire only, for a layer or mixer
+    whose call lost the step's carrier; the step itself is never read from here below the rotary module."""
     scope = _scoped()
-    return scope[1] if scope is not None and scope[0] == "layer" else None
+    return scope is not None and scope[0] == "step"
+
+
+def _lost_step(state, module, what):
+    return TfcompatError(
+        f"tfcompat {state.family}: {type(module).__name__} was called in a packed step without {what} its decoder "
+        f"layer passed (they carry the step's boundaries); something between the layer and the mixer rebuilt "
+        f"them (a forward pre-hook or wrapper that copies or casts the arguments); pass them through unchanged, "
+        f"or unpatch the model")
 
 
 # ------------------------------------------------------------------------------- attention
@@ -281,8 +261,10 @@ def _attention_forward(self, *args, **kwargs):
     if a is None:
         return _original(self, state, *args, **kwargs)
     pe = a.get("position_embeddings")
-    step = _layer_step(self, pe)
+    step = pe.step if isinstance(pe, _Carried) else None
     if step is None:
+        if _in_step():
+            raise _lost_step(state, self, "the position embeddings")
         if (state.split() or state.group_lost) and not any(a.get(n) is not None for n in _CACHE_NAMES):
             raise UlyssesError(f"tfcompat {state.family}: a Ulysses- or context-parallel-patched attention was called "
                                f"outside a patched text model step; call the model (or its text model), not the layer")
@@ -355,8 +337,10 @@ def _linear_forward(self, hidden_states, *args, **kwargs):
 
     state = getattr(self, _ATTR)
     carrier = next((v for v in (*args, *kwargs.values()) if isinstance(v, _StepMask)), None)
-    step = carrier.step if carrier is not None else _layer_step(self)
+    step = carrier.step if carrier is not None else None
     if step is None:
+        if _in_step():
+            raise _lost_step(state, self, "the attention mask")
         return _original(self, state, hidden_states, *args, **kwargs)
     args = tuple(None if v is carrier else v for v in args)
     cache = next((kwargs[n] for n in _CACHE_NAMES if kwargs.get(n) is not None), args[0] if args else None)

@@ -36,7 +36,6 @@ class _State:
         self.group, self.world, self.saved_forward = group, world, saved_forward
         self.group_lost = False
         self.linear_child = False  # decoder layers: holds a linear-attention mixer (gets a _StepMask)
-        self.checkpoint_wrapper = ""  # decoder layers: the function transformers puts on the class as forward
 
     def __deepcopy__(self, memo):
         new = copy.copy(self)

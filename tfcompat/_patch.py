@@ -10,10 +10,14 @@ do not interfere):
   carries the step's boundaries (:class:`_Carried`). Decoder layers hand that tuple down
   unchanged, and activation-checkpoint recomputation replays the layer call with the same
   tuple, so boundaries travel *with the call*, never through state recomputation cannot see;
-* every decoder layer: reads the boundaries from its arguments and scopes them to its own
-  call (first pass and recomputation alike), for the layers below it; a layer that holds a
-  linear-attention mixer hands them to it as its ``attention_mask`` (:class:`_StepMask`), so a
-  checkpoint wrapper around the mixer alone replays them too;
+* every decoder layer: finds the boundaries in its arguments (refuses a call that lost them);
+  a layer that holds a linear-attention mixer hands them to it as its ``attention_mask``
+  (:class:`_StepMask`). Each mixer reads them from its own call's arguments only, so whatever
+  recomputes a layer or a mixer alone (any checkpoint recipe, in any thread) replays them.
+  Two hand-offs above the layers are thread-local, both inside one forward call where
+  upstream's code offers no argument: top-level forward -> text model (flash-attn keyword
+  arguments some top-level forwards reject) and text model -> its rotary module (the step);
+  below the rotary module the thread-local only trips an error when a mixer's call lost them;
 * every text attention module: projections, q/k norms, Qwen3.5's gated query, RoPE out of place
   through :func:`tfcompat.rope.rotate` (nothing autograd may have saved is written), Ulysses all-to-all,
   :func:`~tfcompat.varlen.varlen_attention`, output projection, in this release's arity;
@@ -88,7 +92,6 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
 
     resolutions = tuple(_resolve.resolve(kind, fam.name) for kind in ("rope.init", "rope.apply", "attention.signature"))
     plan = resolutions[2].plan
-    checkpointing = _resolve.resolve("layer.checkpointing", fam.name)
     module = resolutions[2].target
     attention_cls = getattr(module, fam.attention)
     text_cls = getattr(module, plan.text_model)
@@ -174,8 +177,6 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
                            slice_inputs=slice_inputs, cgroup=context_group, cworld=cworld)
             if kind == "layer" and linear_cls is not None:
                 state.linear_child = any(isinstance(c, linear_cls) for c in m.modules())
-            if kind == "layer":
-                state.checkpoint_wrapper = checkpointing.plan.wrapper
             if kind == "attention" and resolutions[1].plan.cos_rows == 3:
                 state.section = rope_parameters(m.config, model_type=fam.name).mrope_section
             if kind == "attention":

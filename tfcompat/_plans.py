@@ -59,14 +59,3 @@ class RopeIndexPlan:
     #: whether it splits each video grid per frame itself (Qwen3-VL gives every frame its own vision block)
     splits_frames: bool
     params: tuple
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointPlan:
-    """Where the installed release checkpoints a family's decoder layers when checkpointing is switched on."""
-
-    #: "class forward" (5.2x: ``GradientCheckpointingLayer`` wraps each layer class's ``forward``), "layer call"
-    #: (4.52+: its ``__call__`` checkpoints) or "model loop" (4.51: the text model's loop checkpoints each call)
-    how: str
-    #: the name of the function transformers puts on the class as ``forward`` ("class forward" only)
-    wrapper: str = ""

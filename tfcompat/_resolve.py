@@ -19,7 +19,7 @@ from . import version as _version
 from ._compat import transformers4
 from ._families import FAMILIES, PROBE_ONLY
 from ._families import family as _family
-from ._plans import AttentionPlan, CheckpointPlan, RopeIndexPlan, RopeInitPlan, RopePlan  # noqa: F401 (public here)
+from ._plans import AttentionPlan, RopeIndexPlan, RopeInitPlan, RopePlan  # noqa: F401 (public here)
 from ._source import _Def, _exists, _Imported, _load, _module, _read, _root, _Text  # noqa: F401 (re-exported)
 from .errors import TfcompatError, UnsupportedTransformersError
 
@@ -300,42 +300,11 @@ def _resolve_window(fam, capability):
                       reason, str(_version.transformers_version()), None, (fam.configuration, fam.config_class))
 
 
-_LAYERS = "transformers.modeling_layers"
-
-
-def _resolve_checkpointing(fam, capability):
-    """Named probe: where transformers checkpoints the family's decoder layers. Where
-    ``GradientCheckpointingLayer.__init_subclass__`` wraps each class's ``forward`` (``forward_with_checkpointing``:
-    read in its source, or in a stripped install among the compiled hook's nested functions), the recomputation
-    runs below the patched layer's scope, so the patched layer checkpoints the unwrapped forward itself."""
-    module = _modeling(fam, capability)
-    named = fam.attention.replace("Attention", "DecoderLayer")  # Qwen3VLTextAttention -> Qwen3VLTextDecoderLayer
-    layer = next((n for n in (named, f"{fam.prefix}DecoderLayer") if module.has(n)), named)
-    layers = _module(_LAYERS) if _exists(_LAYERS) else None
-    hook = layers.method("GradientCheckpointingLayer", "__init_subclass__") if layers else None
-    if hook is not None and not hook.body:
-        init = getattr(_load((_LAYERS, "GradientCheckpointingLayer.__init_subclass__")), "__func__", None)
-        wraps = any(getattr(c, "co_name", "") == "forward_with_checkpointing"
-                    for c in getattr(getattr(init, "__code__", None), "co_consts", ()))
-    else:
-        wraps = hook is not None and bool(re.search(r"def\s+forward_with_checkpointing\b", hook.body))
-    if wraps:
-        plan, reason = CheckpointPlan("class forward", "forward_with_checkpointing"), (
-            f"GradientCheckpointingLayer wraps {layer}.forward (forward_with_checkpointing): checkpointed in its step")
-    elif layers and layers.method("GradientCheckpointingLayer", "__call__") is not None:
-        plan, reason = CheckpointPlan("layer call"), f"GradientCheckpointingLayer.__call__ checkpoints {layer}"
-    else:
-        plan, reason = CheckpointPlan("model loop"), f"the text model's loop checkpoints each {layer} call"
-    at = (_LAYERS, "GradientCheckpointingLayer") if layers else (module.name, layer)
-    return Resolution(capability, plan.how, ".".join(at), reason, str(_version.transformers_version()), plan, at)
-
-
 _RESOLVERS = {
     "rope.apply": _resolve_rope_apply,
     "rope.init": _resolve_rope_init,
     "attention.signature": _resolve_attention,
     "attention.window": _resolve_window,
-    "layer.checkpointing": _resolve_checkpointing,
     "rope_index": _resolve_rope_index,
 }
 
