@@ -179,6 +179,40 @@ def test_checkpointed_packed_training_equals_padded(name, how):
     _close_all(grads, want_grads, f"{name}/{how} grad")
 
 
+@pytest.mark.parametrize("how", ["hf_reentrant", "mixer_reentrant"])
+@pytest.mark.parametrize("name", FAMILIES[:1] + [n for n in FAMILIES if linear_attention(n)][:1])
+def test_recomputation_in_another_thread_sees_the_boundaries(name, how):
+    """On a GPU, the autograd engine runs backward (and a reentrant checkpoint's recomputation) in its own device
+    thread: here backward runs in a fresh thread, where nothing the forward's thread held is visible. The
+    recomputed layers and mixers find the step in their replayed arguments: the oracle's gradients."""
+    import threading
+
+    ids, mask, pixels = _batch(name, False)
+    weights = torch.randn(*ids.shape, 256, generator=torch.Generator().manual_seed(5))
+    want, want_grads = _reference(name, ids, mask, pixels, weights, train=True)
+    model = tiny_model(name)
+    tfcompat.patch(model)
+    model.train()
+    _checkpoint(model, how)
+    logits, _ = _packed_call(model, ids, mask, pixels)
+    loss = (logits * weights * mask[..., None]).sum()
+    errors = []
+
+    def backward():
+        try:
+            loss.backward()
+        except BaseException as exc:  # re-raised in the test's thread
+            errors.append(exc)
+
+    worker = threading.Thread(target=backward)
+    worker.start()
+    worker.join(timeout=120)
+    assert not worker.is_alive(), "backward in another thread did not finish in 120 s"
+    if errors:
+        raise errors[0]
+    _close_all(_grads(model), want_grads, f"{name}/{how} grad, backward in another thread")
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_default_use_cache_in_eval_mode(name):
     """No use_cache argument in eval mode: the config's default (True) must not turn the row into one sequence."""
