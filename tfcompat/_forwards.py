@@ -115,8 +115,10 @@ def _text_model_forward(self, *args, **kwargs):
 
 
 def _top_forward(self, *args, **kwargs):
-    """The model patch() was given: takes the flash-attn keyword arguments on every release (some top-level
-    forwards reject them) and hands them to the text model of this call."""
+    """The model patch() was given: takes the flash-attn keyword arguments on every release and hands them to
+    the text model of this call, out of upstream's call: 4.51-4.52 VL forwards reject them, and 5.x VL
+    forwards pass ``**kwargs`` to the vision tower as well, whose flash attention names its own
+    ``cu_seq_lens_q`` (the text row's would collide there)."""
     state = getattr(self, _ATTR)
     _refuse_whole_row_labels(state, kwargs)
     return _with_explicit(lambda *a, **k: _original(self, state, *a, **k), args, kwargs)

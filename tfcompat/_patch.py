@@ -15,8 +15,10 @@ do not interfere):
   (:class:`_StepMask`). Each mixer reads them from its own call's arguments only, so whatever
   recomputes a layer or a mixer alone (any checkpoint recipe, in any thread) replays them.
   Two hand-offs above the layers are thread-local, both inside one forward call where
-  upstream's code offers no argument: top-level forward -> text model (flash-attn keyword
-  arguments some top-level forwards reject) and text model -> its rotary module (the step);
+  upstream's code offers no argument: top-level forward -> text model (the flash-attn keyword
+  arguments: 4.51-4.52 VL forwards reject them, and 5.x VL forwards hand ``**kwargs`` to the vision
+  tower too, whose flash attention passes its own ``cu_seq_lens_q``) and text model -> its rotary
+  module (the step: upstream calls it with ``(x, position_ids)`` only);
   below the rotary module the thread-local only trips an error when a mixer's call lost them;
 * every text attention module: projections, q/k norms, Qwen3.5's gated query, RoPE out of place
   through :func:`tfcompat.rope.rotate` (nothing autograd may have saved is written), Ulysses all-to-all,
