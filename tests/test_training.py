@@ -6,6 +6,7 @@ Oracle: the unpatched model on the padded batch, without checkpointing.
 
 import copy
 import io
+import os
 import pickle
 
 import pytest
@@ -211,6 +212,39 @@ def test_recomputation_in_another_thread_sees_the_boundaries(name, how):
     if errors:
         raise errors[0]
     _close_all(_grads(model), want_grads, f"{name}/{how} grad, backward in another thread")
+
+
+@pytest.mark.skipif(os.environ.get("TFCOMPAT_BOUNDARY_TESTS") == "skip",
+                    reason="torch.compile (seconds per model) runs on the boundary releases of the matrix")
+@pytest.mark.parametrize("how", ["model", "layers"])
+def test_torch_compile_of_a_patched_model(how):
+    """torch.compile of the whole patched model (dynamo, graph breaks allowed), or of each decoder layer (the
+    FSDP2 recipe, AOT autograd too): the step's carriers pass through the compiled frames, and the packed
+    step's logits and every gradient equal the oracle's."""
+    import torch._dynamo
+
+    name = FAMILIES[0]
+    ids, mask, pixels = _batch(name, False)
+    weights = torch.randn(*ids.shape, 256, generator=torch.Generator().manual_seed(5))
+    want, want_grads = _reference(name, ids, mask, pixels, weights, train=True)
+    model = tiny_model(name)
+    tfcompat.patch(model)
+    model.train()
+    torch._dynamo.reset()
+    try:
+        if how == "model":
+            run = torch.compile(model, backend="eager")
+        else:
+            for layer in [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]:
+                layer.compile(backend="aot_eager")
+            run = model
+        logits, _ = _packed_call(run, ids, mask, pixels)
+        (logits * weights * mask[..., None]).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    valid = mask.bool()
+    close_to_model(logits[valid].detach(), want[valid], f"{name} compiled {how} logits")
+    _close_all(_grads(model), want_grads, f"{name} compiled {how} grad")
 
 
 @pytest.mark.parametrize("name", FAMILIES)
