@@ -247,6 +247,50 @@ def test_torch_compile_of_a_patched_model(how):
     _close_all(_grads(model), want_grads, f"{name} compiled {how} grad")
 
 
+@pytest.mark.parametrize("mode", ["bf16 weights", "bf16 autocast"])
+@pytest.mark.parametrize("name", FAMILIES[:1] + VISION[:1])
+def test_bf16_packed_step_is_as_close_to_fp32_as_upstream(name, mode):
+    """bf16 (weights cast, or CPU autocast over fp32 weights): the patched packed step's logits and every
+    gradient stay as close to the fp32 oracle as upstream's own bf16 padded run (within 3x its error, relative
+    to the largest value); a packed row attended across its sequences would be off by O(1)."""
+    import copy
+
+    image = name in VISION
+    ids, mask, pixels = _batch(name, image)
+    base = tiny_model(name).train()
+
+    def run(packed_path, dtype):
+        model = copy.deepcopy(base)
+        px = dict(pixels)
+        if mode == "bf16 weights" and dtype != torch.float32:
+            model = model.to(dtype)
+            px = {k: v.to(dtype) if v.is_floating_point() else v for k, v in px.items()}
+        if packed_path:
+            tfcompat.patch(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "bf16 autocast" and dtype != torch.float32):
+            if packed_path:
+                logits, _ = _packed_call(model, ids, mask, px)
+            else:
+                logits = run_upstream(lambda: model(input_ids=ids, attention_mask=mask,
+                                                    **forward_kwargs(model, ids, **px)).logits)
+        logits = logits.float()[mask.bool()]
+        logits.square().mean().backward()
+        return logits.detach(), {_clean(n): p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+
+    want, want_grads = run(False, torch.float32)
+    upstream, upstream_grads = run(False, torch.bfloat16)
+    got, grads = run(True, torch.bfloat16)
+
+    def err(a, b):
+        return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+    assert err(got, want) <= 3 * err(upstream, want) + 2e-3, (err(got, want), err(upstream, want))
+    assert grads.keys() == want_grads.keys()
+    for key in want_grads:
+        bound = 3 * err(upstream_grads[key], want_grads[key]) + 2e-3
+        assert err(grads[key], want_grads[key]) <= bound, (key, err(grads[key], want_grads[key]), bound)
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_default_use_cache_in_eval_mode(name):
     """No use_cache argument in eval mode: the config's default (True) must not turn the row into one sequence."""
