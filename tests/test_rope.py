@@ -8,6 +8,7 @@ from tfcompat.config import rope_parameters
 from tfcompat.rope import apply_rope, apply_rope_
 
 from _helpers import (
+    BOUNDARY_ONLY,
     TOL,
     installed,
     one_per_rope_kernel,
@@ -186,6 +187,7 @@ def test_inplace_on_projection_views_backpropagates_into_weights(name, impl):
         torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
+@BOUNDARY_ONLY
 @pytest.mark.parametrize("name", [n for n in ("qwen2_vl", "glm4v", "qwen3_vl") if n in FAMILIES])
 def test_torch_compile_fullgraph(name):
     import tfcompat

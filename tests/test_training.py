@@ -6,7 +6,6 @@ Oracle: the unpatched model on the padded batch, without checkpointing.
 
 import copy
 import io
-import os
 import pickle
 
 import pytest
@@ -16,7 +15,15 @@ import tfcompat
 from tfcompat._families import FAMILIES as SPECS
 from tfcompat.packing import pack, unpack
 
-from _helpers import close_to_model, grads_by_name, linear_attention, one_per_shape, patchable, plan_shape
+from _helpers import (
+    BOUNDARY_ONLY,
+    close_to_model,
+    grads_by_name,
+    linear_attention,
+    one_per_shape,
+    patchable,
+    plan_shape,
+)
 from _models import forward_kwargs, padded, run_upstream, three_d_positions, tiny_model, tiny_pixels, tiny_sequence
 
 ALL = patchable()
@@ -214,8 +221,7 @@ def test_recomputation_in_another_thread_sees_the_boundaries(name, how):
     _close_all(_grads(model), want_grads, f"{name}/{how} grad, backward in another thread")
 
 
-@pytest.mark.skipif(os.environ.get("TFCOMPAT_BOUNDARY_TESTS") == "skip",
-                    reason="torch.compile (seconds per model) runs on the boundary releases of the matrix")
+@BOUNDARY_ONLY
 @pytest.mark.parametrize("how", ["model", "layers"])
 def test_torch_compile_of_a_patched_model(how):
     """torch.compile of the whole patched model (dynamo, graph breaks allowed), or of each decoder layer (the
