@@ -187,6 +187,18 @@ def test_checkpointed_packed_training_equals_padded(name, how):
     _close_all(grads, want_grads, f"{name}/{how} grad")
 
 
+def _patched_text_case(name):
+    """A patched tiny model in train mode, a text batch with its loss weights, and the oracle's logits and
+    gradients for them (shared with the checkpoint-mode runs)."""
+    ids, mask, pixels = _batch(name, False)
+    weights = torch.randn(*ids.shape, 256, generator=torch.Generator().manual_seed(5))
+    oracle = _reference(name, ids, mask, pixels, weights, train=True)
+    model = tiny_model(name)
+    tfcompat.patch(model)
+    model.train()
+    return model, (ids, mask, pixels, weights), oracle
+
+
 @pytest.mark.parametrize("how", ["hf_reentrant", "mixer_reentrant"])
 @pytest.mark.parametrize("name", FAMILIES[:1] + [n for n in FAMILIES if linear_attention(n)][:1])
 def test_recomputation_in_another_thread_sees_the_boundaries(name, how):
@@ -195,12 +207,7 @@ def test_recomputation_in_another_thread_sees_the_boundaries(name, how):
     recomputed layers and mixers find the step in their replayed arguments: the oracle's gradients."""
     import threading
 
-    ids, mask, pixels = _batch(name, False)
-    weights = torch.randn(*ids.shape, 256, generator=torch.Generator().manual_seed(5))
-    want, want_grads = _reference(name, ids, mask, pixels, weights, train=True)
-    model = tiny_model(name)
-    tfcompat.patch(model)
-    model.train()
+    model, (ids, mask, pixels, weights), (want, want_grads) = _patched_text_case(name)
     _checkpoint(model, how)
     logits, _ = _packed_call(model, ids, mask, pixels)
     loss = (logits * weights * mask[..., None]).sum()
@@ -230,12 +237,7 @@ def test_torch_compile_of_a_patched_model(how):
     import torch._dynamo
 
     name = FAMILIES[0]
-    ids, mask, pixels = _batch(name, False)
-    weights = torch.randn(*ids.shape, 256, generator=torch.Generator().manual_seed(5))
-    want, want_grads = _reference(name, ids, mask, pixels, weights, train=True)
-    model = tiny_model(name)
-    tfcompat.patch(model)
-    model.train()
+    model, (ids, mask, pixels, weights), (want, want_grads) = _patched_text_case(name)
     torch._dynamo.reset()
     try:
         if how == "model":
