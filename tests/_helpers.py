@@ -18,12 +18,13 @@ from tfcompat.testing import assert_close_to_model, tiny_config
 # they differ by up to ~2 roundings (2**-8 relative each) of the largest *terms*, which can exceed
 # the result when the terms cancel: terms reach |x| ~ 4 here, hence atol 2**-6 on top of rtol.
 # fp16 likewise with 2**-11 per rounding: atol 2**-8.
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2**-7, atol=2**-6),
+       torch.float16: dict(rtol=2**-9, atol=2**-8)}
+
 # torch.compile costs seconds per call (dynamo's warm-up): its tests run on the boundary releases of the matrix
 # (tox.ini: the lowest torch and transformers, the last 4.x, the first 5.x, the newest), where what it traces moves
 BOUNDARY_ONLY = pytest.mark.skipif(os.environ.get("TFCOMPAT_BOUNDARY_TESTS") == "skip",
                                    reason="torch.compile runs on the boundary releases of the matrix (tox.ini)")
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2**-7, atol=2**-6),
-       torch.float16: dict(rtol=2**-9, atol=2**-8)}
 
 
 def triton_ready():
