@@ -408,3 +408,32 @@ def test_other_call_shapes_of_upstreams_function(name):
         apply_rope(q[0], k, cos, sin, config=config)  # (heads, seq, d) with batched cos: upstream adds a dim
     with pytest.raises(RopeShapeError, match="in place takes"):
         apply_rope_(keys.clone(), keys.clone(), *one_row, config=config)
+
+
+@pytest.mark.skipif(not triton_ready(), reason="needs triton in its interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("name", FAMILIES)
+def test_triton_gpu_tile_matches_upstream_interpreted(name, monkeypatch):
+    """The interpreter groups rows in larger programs than a GPU launch does (it runs programs one at a time); here
+    it runs the GPU's own tile (tools/compile_proof.py proves that one compiles without spills), forward and
+    backward, bf16, in place and not, on every kernel shape: the rows split over many programs, a partial last
+    program and a partial-rotary tail copied in chunks."""
+    from tfcompat._kernels import rope_triton
+
+    monkeypatch.setattr(rope_triton, "_INTERPRETER_PAIRS", rope_triton._PAIRS)
+    dtype, layout = torch.bfloat16, 2
+    config, cos, sin, q, k, g = _inputs(name, 2, 33, dtype, layout, seed=7)
+    oracle = upstream_rope(name, config)
+    gq, gk = torch.randn(q.shape, generator=g).to(dtype), torch.randn(k.shape, generator=g).to(dtype)
+    want = _grads(lambda a, b: oracle(a, b, cos, sin, unsqueeze_dim=layout), q, k, gq, gk)
+    before = rope_triton.launches
+    for fn in (apply_rope, apply_rope_):
+        got = _grads(lambda a, b, fn=fn: fn(a, b, cos, sin, config=config, unsqueeze_dim=layout, impl="triton"),
+                     q, k, gq, gk)
+        for label, w, h in zip(("q", "k", "dq", "dk"), want, got):
+            where = f"{name} {fn.__name__} {label}"
+            torch.testing.assert_close(h, w, **TOL[dtype], msg=lambda m, where=where: f"{where}: {m}")
+    assert rope_triton.launches == before + 4
+    # the GPU tile split the rows: several programs per tensor (a (b, s, h, d) layout: the sequence is dim 1)
+    if cos.dim() == 3 and cos.shape[-1] <= q.shape[-1]:
+        grid, _, meta = rope_triton._plan(q, k, q, k, cos, sin, rope_triton.Layout("neox", "", None), 1, False)
+        assert meta["BLOCK_R"] * meta["BLOCK_HALF"] <= rope_triton._PAIRS and grid[0] > 2

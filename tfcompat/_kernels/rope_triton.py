@@ -26,8 +26,20 @@ import torch
 import triton
 import triton.language as tl
 
-# rows (token x head) per program times pairs per row: ~4k elements a tile, 16 KiB of bf16 in and out
-_TILE = 4096
+# Sized for the GPU (registers, spills), not for the interpreter: a program rotates _PAIRS pairs (rows of one token
+# and head times the rotary pairs of a row, padded to a power of two) with _WARPS warps, 4 pairs a thread, and
+# copies a partial-rotary tail in chunks of the same size. Triton's compiler, run with no device
+# (tools/compile_proof.py, tests/test_compile_proof.py), proves every variant the launcher below can produce for
+# sm_80, sm_90 and sm_100: no spill, at most _MAX_REGISTERS registers a thread, so at least 4 programs (16 warps)
+# reside on an SM to keep loads in flight. (A 4096-pair tile, sized in the interpreter, spilled in every variant.)
+_PAIRS = 512
+# read once, as Triton reads it when it decorates the kernels below
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_WARPS = 4
+_MAX_REGISTERS = 128
+# The interpreter runs programs one after another in Python: there the same rows go in fewer, larger programs (the
+# arithmetic of a row does not depend on how rows are grouped; the tests also run the GPU tile interpreted)
+_INTERPRETER_PAIRS = 4096
 
 #: kernel launches since import (tests count them: one per apply_rope call, one per backward)
 launches = 0
@@ -99,11 +111,12 @@ def _rotate_rows(x_ptr, o_ptr, xb, xh, xs, xd, ob, oh, os_, od, cos_ptr, sin_ptr
         rb = bb * c2 + a * s2
     tl.store(orow + oa[None, :] * od, ra.to(o_ptr.dtype.element_ty), mask=mask)
     tl.store(orow + obb[None, :] * od, rb.to(o_ptr.dtype.element_ty), mask=mask)
-    if COPY_TAIL:  # partial rotary, out of place: the channels past RD pass through
-        c = RD + tl.arange(0, BLOCK_TAIL)
-        tmask = rmask[:, None] & (c < D)[None, :]
-        tail = tl.load(xrow + c[None, :] * xd, mask=tmask, other=0.0)
-        tl.store(orow + c[None, :] * od, tail, mask=tmask)
+    if COPY_TAIL:  # partial rotary, out of place: the channels past RD pass through, BLOCK_TAIL at a time
+        for c0 in range(RD, D, BLOCK_TAIL):
+            c = c0 + tl.arange(0, BLOCK_TAIL)
+            tmask = rmask[:, None] & (c < D)[None, :]
+            tail = tl.load(xrow + c[None, :] * xd, mask=tmask, other=0.0)
+            tl.store(orow + c[None, :] * od, tail, mask=tmask)
 
 
 @triton.jit
@@ -181,9 +194,11 @@ def _check_launch(q4, k4, qo4, ko4, cos, sin, rows3, section):
                              "impl='composite', or pass tensors of the layout apply_rope documents)")
 
 
-def _launch(q, k, qo, ko, cos, sin, layout, seq_dim, inverse):
-    """One launch over q's rows and k's (k=None: q's only)."""
-    global launches
+def _plan(q, k, qo, ko, cos, sin, layout, seq_dim, inverse):
+    """What one launch over q's rows and k's (k=None: q's only) hands the kernel: ``(grid, args, meta)``, checked.
+
+    Pure: nothing runs. The launch below and the compile proof (tools/compile_proof.py) both read it, so the
+    variants proven for the GPU are the ones this function produces."""
     only_q = k is None
     if only_q:
         k, ko = q, qo
@@ -205,16 +220,25 @@ def _launch(q, k, qo, ko, cos, sin, layout, seq_dim, inverse):
 
     sec0, sec1 = (tuple(layout.section) + (0, 0))[:2] if rows3 else (0, 0)  # 1-3 sections: T, H, rest W
     block_half = triton.next_power_of_2(max(rd // 2, 1))
-    block_r = max(1, _TILE // block_half)
+    block_r = max(1, (_INTERPRETER_PAIRS if _INTERPRETED else _PAIRS) // block_half)
     q_rows, k_rows = batch * seq * hq, batch * seq * hk
     q_programs = triton.cdiv(q_rows, block_r)
-    _rope_kernel[(q_programs + triton.cdiv(k_rows, block_r),)](
-        q4, k4, qo4, ko4, cos, sin, seq, hq, hk, q_rows, k_rows, q_programs, sec0, sec1,
-        *q4.stride(), *k4.stride(), *qo4.stride(), *ko4.stride(), *trig_strides(cos), *trig_strides(sin),
-        D=dim, RD=rd, BLOCK_R=block_r, BLOCK_HALF=block_half, BLOCK_TAIL=triton.next_power_of_2(max(dim - rd, 1)),
-        IN_PAIRS=int(in_pairs), OUT_PAIRS=int(out_pairs), COS_MODE=layout.cos_mode, ROWS3=rows3,
-        INVERSE=inverse, COPY_TAIL=(dim > rd and qo is not q), UPCAST=q.dtype in (torch.float16, torch.bfloat16),
-    )
+    grid = (q_programs + triton.cdiv(k_rows, block_r),)
+    args = (q4, k4, qo4, ko4, cos, sin, seq, hq, hk, q_rows, k_rows, q_programs, sec0, sec1,
+            *q4.stride(), *k4.stride(), *qo4.stride(), *ko4.stride(), *trig_strides(cos), *trig_strides(sin))
+    meta = dict(D=dim, RD=rd, BLOCK_R=block_r, BLOCK_HALF=block_half,
+                BLOCK_TAIL=min(block_half, triton.next_power_of_2(max(dim - rd, 1))),
+                IN_PAIRS=int(in_pairs), OUT_PAIRS=int(out_pairs), COS_MODE=layout.cos_mode, ROWS3=rows3,
+                INVERSE=inverse, COPY_TAIL=(dim > rd and qo is not q),
+                UPCAST=q.dtype in (torch.float16, torch.bfloat16), num_warps=_WARPS)
+    return grid, args, meta
+
+
+def _launch(q, k, qo, ko, cos, sin, layout, seq_dim, inverse):
+    """One launch over q's rows and k's (k=None: q's only)."""
+    global launches
+    grid, args, meta = _plan(q, k, qo, ko, cos, sin, layout, seq_dim, inverse)
+    _rope_kernel[grid](*args, **meta)
     launches += 1
 
 
@@ -272,7 +296,7 @@ class _TritonRopeOne(torch.autograd.Function):
 
 def interpreted():
     """Whether Triton runs kernels in its interpreter (CPU tensors) in this process."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return _INTERPRETED
 
 
 def rope(q, k, cos, sin, layout, seq_dim, inplace=False):
