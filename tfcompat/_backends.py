@@ -14,7 +14,8 @@ from typing import Any
 from . import _resolve
 from . import version as _version
 
-__all__ = ["installed", "torch_ships", "varlen_kernel", "flash_varlen", "triton_kernels", "impl_for", "report"]
+__all__ = ["installed", "torch_ships", "torch_varlen_signature", "torch_varlen_params", "varlen_unfit", "varlen_kernel",
+           "flash_varlen", "triton_kernels", "impl_for", "report"]
 
 
 def installed(package):
@@ -43,13 +44,58 @@ def flash_varlen():
 
 
 @functools.lru_cache(maxsize=None)
+def torch_varlen_signature():
+    """The installed torch's ``varlen_attn`` signature, read from its file (None where torch does not ship it)."""
+    from ._kernels import attention_calls
+
+    if not torch_ships("nn/attention/varlen.py"):
+        return None
+    spec = importlib.util.find_spec("torch")
+    path = os.path.join(os.path.dirname(spec.origin), "nn", "attention", "varlen.py")
+    return attention_calls.source_signature(path, "varlen_attn")
+
+
+def torch_varlen_params():
+    """The parameter names of the installed torch's ``varlen_attn`` (empty where it is absent)."""
+    sig = torch_varlen_signature()
+    return frozenset(sig.parameters) if sig is not None else frozenset()
+
+
+@functools.lru_cache(maxsize=None)
+def varlen_unfit():
+    """Why each GPU packed-attention kernel is not used ('' for one that is): flash-attn absent or not importable,
+    torch without varlen_attn, or a library whose signature no longer takes tfcompat's call (checked once against
+    the real function, so a moved upstream signature falls back to the exact SDPA path instead of failing mid-step
+    or computing something else)."""
+    from ._kernels import attention_calls
+
+    why = {}
+    if not installed("flash_attn"):
+        why["flash_attn"] = "flash-attn is not installed"
+    elif flash_varlen() is None:
+        why["flash_attn"] = "flash-attn is installed but does not import (built for another torch or CUDA?)"
+    else:
+        unfit = attention_calls.fits(flash_varlen(), "flash_attn")
+        why["flash_attn"] = f"flash_attn_varlen_func does not take tfcompat's call: {unfit}" if unfit else ""
+    sig = torch_varlen_signature()
+    if sig is None:
+        why["torch_varlen"] = "this torch has no torch.nn.attention.varlen (torch >= 2.10 has it)"
+    else:
+        unfit = attention_calls.fits(sig, "torch_varlen")
+        why["torch_varlen"] = f"torch's varlen_attn does not take tfcompat's call: {unfit}" if unfit else ""
+    return why
+
+
+@functools.lru_cache(maxsize=None)
 def varlen_kernel(dropout: bool) -> str:
-    """The packed-attention kernel for CUDA fp16/bf16 tensors, decided once: flash-attn where it imports,
-    else PyTorch's varlen_attn where torch ships it (no dropout), else the exact SDPA fallback. torch is
-    imported only to try flash-attn (it must be imported to know whether it works: often it does not)."""
-    if installed("flash_attn") and flash_varlen() is not None:
+    """The packed-attention kernel for CUDA fp16/bf16 tensors, decided once: flash-attn where it imports and
+    its signature takes tfcompat's call, else PyTorch's varlen_attn likewise (no dropout), else the exact SDPA
+    fallback. torch is imported only to try flash-attn (it must be imported to know whether it works: often it
+    does not)."""
+    why = varlen_unfit()
+    if not why["flash_attn"]:
         return "flash_attn"
-    if not dropout and torch_ships("nn/attention/varlen.py"):
+    if not dropout and not why["torch_varlen"]:
         return "torch_varlen"
     return "sdpa"
 
@@ -82,8 +128,12 @@ def impl_for(device: Any) -> str:
 
 def _varlen_backends():
     cuda = varlen_kernel(False)
+    unused = "; ".join(f"not {k}: {v}" for k, v in varlen_unfit().items() if v)
     return _resolve.Resolution("varlen.backend", cuda, "", f"packed attention: CUDA fp16/bf16 tensors -> {cuda}; "
-                               f"CPU, fp32 or dropout -> sdpa (exact fallback, one fused SDPA call per sequence)",
+                               f"CPU, fp32 or dropout -> sdpa (exact fallback, one fused SDPA call per sequence)"
+                               + (f"; {unused}" if unused else "") + "; the GPU kernels get equal cu_seqlens_q/k "
+                               "only (context-parallel pieces run SDPA: bottom-right causal alignment for cu_q != "
+                               "cu_k is checked by bench/gpu_check.py on a GPU)",
                                str(_version.transformers_version()))
 
 

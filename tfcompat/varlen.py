@@ -189,18 +189,20 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 def _varlen(q, k, v, cu_seqlens, bounds, max_seqlen, *, causal, softmax_scale, window, dropout_p):
     """Validated inputs: ``bounds`` are cu_seqlens as Python ints (computed once per step by the caller)."""
     kind = backend(q, dropout_p)
-    if kind == "flash_attn":
+    if kind != "sdpa":
+        # no host sync: cu goes to the device as int32 (the kernels' documented dtype), max_seqlen is the Python
+        # int computed once per step; the arguments are built by _kernels.attention_calls, whose tests bind them
+        # against the libraries' real signatures
+        from ._kernels import attention_calls as calls
+
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        win = (-1, -1) if window is None else (window - 1, 0)
-        return _backends.flash_varlen()(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p,
-                               softmax_scale=softmax_scale, causal=causal, window_size=win)
-    if kind == "torch_varlen":
-        # no host sync: cu stays on the device, max_seqlen is the Python int computed once per step
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        left = -1 if window is None else window - 1
-        win = (left, 0) if causal else (left, -1 if window is None else window - 1)
-        return _torch_varlen()(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=softmax_scale, window_size=win,
-                               enable_gqa=q.shape[1] != k.shape[1])
+        if kind == "flash_attn":
+            args, kwargs = calls.flash_call(q, k, v, cu, max_seqlen, causal=causal, scale=softmax_scale,
+                                            window=window, dropout_p=dropout_p)
+            return _backends.flash_varlen()(*args, **kwargs)
+        args, kwargs = calls.torch_call(q, k, v, cu, max_seqlen, causal=causal, scale=softmax_scale, window=window,
+                                        params=_backends.torch_varlen_params())
+        return _torch_varlen()(*args, **kwargs)
     return _sdpa_fallback(q, k, v, bounds, softmax_scale, causal, window, dropout_p)
 
 

@@ -1,0 +1,148 @@
+"""tfcompat's calls into GPU attention libraries, bound against those libraries' real signatures and checked against
+their documented conventions (tfcompat/_kernels/attention_calls.py keeps flash-attn's signatures as data: it cannot
+be installed here; torch's varlen_attn is read from the installed torch, live and from its file).
+
+The conventions are checked by arithmetic on CPU: the mask flash-attn documents for the (causal, window_size) tfcompat
+passes, run through SDPA, equals tfcompat's exact fallback. What only a GPU can show (bottom-right causal alignment
+when cu_q != cu_k) is named in ``report`` and measured by bench/gpu_check.py."""
+
+import inspect
+
+import pytest
+import torch
+
+from tfcompat import _backends
+from tfcompat._kernels import attention_calls as calls
+from tfcompat.varlen import _sdpa_fallback
+
+FLASH2 = calls.signature(calls.FLASH_ATTN_2["spec"])
+FLASH3 = calls.signature(calls.FLASH_ATTN_3["spec"])
+TORCH_SIGS = {name: calls.signature(spec) for name, spec in calls.TORCH_VARLEN.items()}
+
+
+def _row(heads=4, kv_heads=2, total=11, dim=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(total, heads, dim, generator=g)
+    k = torch.randn(total, kv_heads, dim, generator=g)
+    v = torch.randn(total, kv_heads, dim, generator=g)
+    return q, k, v, torch.tensor([0, 4, 5, total], dtype=torch.int32)
+
+
+def _flash_mask(sq, sk, causal, window_size):
+    """The keys query i may attend to, as flash-attn 2.7/2.8's docstring states: causal aligned bottom-right, and a
+    window of keys ``[i + sk - sq - left, i + sk - sq + right]`` inclusive (-1: unbounded)."""
+    i = torch.arange(sq)[:, None] + sk - sq
+    j = torch.arange(sk)[None, :]
+    left, right = window_size
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        keep &= j <= i
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    return keep
+
+
+def _by_convention(q, k, v, cu, causal, window_size, scale):
+    """What a kernel following the documented convention computes: per sequence, SDPA with that mask."""
+    outs, bounds = [], cu.tolist()
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        n = hi - lo
+        qs, ks, vs = (t[lo:hi].transpose(0, 1) for t in (q, k, v))
+        mask = _flash_mask(n, n, causal, window_size)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True).transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", [None, 1, 3])
+def test_flash_attn_2_call_binds_and_means_what_the_fallback_computes(causal, window):
+    q, k, v, cu = _row()
+    args, kwargs = calls.flash_call(q, k, v, cu, 6, causal=causal, scale=0.3, window=window, dropout_p=0.0)
+    bound = FLASH2.bind(*args, **kwargs).arguments
+    assert bound["cu_seqlens_q"] is cu and bound["cu_seqlens_k"] is cu and bound["cu_seqlens_q"].dtype == torch.int32
+    assert bound["max_seqlen_q"] == bound["max_seqlen_k"] == 6 and bound["softmax_scale"] == 0.3
+    assert bound["causal"] is causal and bound["dropout_p"] == 0.0
+    got = _by_convention(q, k, v, cu, bound["causal"], bound["window_size"], bound["softmax_scale"])
+    want = _sdpa_fallback(q, k, v, cu.tolist(), 0.3, causal, window, 0.0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(calls.TORCH_VARLEN))
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", [None, 2])
+def test_torch_varlen_call_binds_and_means_what_the_fallback_computes(name, causal, window):
+    """torch's varlen_attn runs causal only for ``window_size == (-1, 0)`` (compared as a tuple), else flash-attn's
+    window; GQA needs ``enable_gqa`` where the signature has it."""
+    sig = TORCH_SIGS[name]
+    q, k, v, cu = _row()
+    args, kwargs = calls.torch_call(q, k, v, cu, 6, causal=causal, scale=0.3, window=window,
+                                    params=frozenset(sig.parameters))
+    bound = sig.bind(*args, **kwargs).arguments
+    assert bound["cu_seq_q"] is cu and bound["cu_seq_k"] is cu and bound["max_q"] == bound["max_k"] == 6
+    assert isinstance(bound["window_size"], tuple)
+    assert bound.get("enable_gqa", True) is True  # 4 query heads over 2 kv heads
+    is_causal = bound["window_size"] == (-1, 0)  # torch's own rule (torch/nn/attention/varlen.py)
+    got = _by_convention(q, k, v, cu, is_causal, bound["window_size"], bound["scale"])
+    want = _sdpa_fallback(q, k, v, cu.tolist(), 0.3, causal, window, 0.0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_varlen_call_has_no_gqa_flag_for_equal_heads():
+    q, k, v, cu = _row(heads=2, kv_heads=2)
+    _, kwargs = calls.torch_call(q, k, v, cu, 6, causal=True, scale=None, window=None,
+                                 params=frozenset(TORCH_SIGS["2.13"].parameters))
+    assert kwargs["enable_gqa"] is False and kwargs["window_size"] == (-1, 0)
+
+
+def test_flash_attn_3_is_not_called_with_the_2x_convention():
+    """flash-attn 3 puts seqused_q where 2.x has dropout_p and has no dropout: the 2.x call must not reach it."""
+    q, k, v, cu = _row()
+    args, kwargs = calls.flash_call(q, k, v, cu, 6, causal=True, scale=None, window=None, dropout_p=0.0)
+    with pytest.raises(TypeError):
+        FLASH3.bind(*args, **kwargs)
+    assert "dropout_p" in calls.fits(FLASH3, "flash_attn")
+    assert calls.fits(FLASH2, "flash_attn") == ""
+
+
+def test_a_moved_signature_is_not_used():
+    """A release that renamed the window keyword, or made the lengths keyword-only, is refused by the fit check
+    (tfcompat then runs the exact SDPA path and ``report`` says why)."""
+    def renamed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                causal=False, window=(-1, -1)):
+        pass
+
+    def keyword_only(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                     softmax_scale=None, causal=False, window_size=(-1, -1)):
+        pass
+
+    assert "window_size" in calls.fits(renamed, "flash_attn")
+    assert "7 leading positional" in calls.fits(keyword_only, "flash_attn")
+    assert calls.fits(TORCH_SIGS["2.13"], "torch_varlen") == ""
+
+
+def test_installed_torch_varlen_signature_is_recorded():
+    """The installed torch's varlen_attn, read live, is the recorded one for its release, and the file reader
+    (used by ``report``, which imports no torch) reads the same names. Fails when torch moves the signature."""
+    sig = _backends.torch_varlen_signature()
+    if not _backends.torch_ships("nn/attention/varlen.py"):
+        assert sig is None and _backends.varlen_kernel(False) != "torch_varlen"
+        assert "torch >= 2.10" in _backends.varlen_unfit()["torch_varlen"]
+        return
+    from torch.nn.attention.varlen import varlen_attn
+
+    live = inspect.signature(varlen_attn)
+    assert list(live.parameters) == list(sig.parameters)
+    assert [p.kind for p in live.parameters.values()] == [p.kind for p in sig.parameters.values()]
+    release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    assert release in calls.TORCH_VARLEN, f"torch {release}'s varlen_attn is not recorded in attention_calls"
+    assert list(TORCH_SIGS[release].parameters) == list(live.parameters)
+    assert calls.fits(varlen_attn, "torch_varlen") == ""
+    assert _backends.varlen_unfit()["torch_varlen"] == ""
+
+
+def test_report_names_the_unproven_convention():
+    reason = _backends.report([])[1].reason
+    assert "cu_q != cu_k" in reason and "gpu_check" in reason

@@ -1,0 +1,138 @@
+"""The calls tfcompat makes into GPU attention libraries, and those libraries' signatures kept as data.
+
+Neither flash-attn nor a CUDA build of torch can run on the machines this project is developed and tested on, so
+each call is a pure function of its inputs (``flash_call``, ``torch_call``: the positional arguments and keywords
+handed to the library) and the tests bind it against the real signatures: the installed torch's
+``torch.nn.attention.varlen.varlen_attn`` read live, and below, as data, the releases users install, read from
+their public source:
+
+- flash-attn 2.7.0-2.7.4.post1 and 2.8.0-2.8.3 (``flash_attn/flash_attn_interface.py``): one signature;
+- flash-attn 3 (``hopper/flash_attn_interface.py``, imported as ``flash_attn_interface``): a different one
+  (``seqused_q`` in dropout's place, no dropout): tfcompat does not call it (only ``flash_attn`` is imported);
+- torch's ``varlen_attn`` as shipped in 2.13 (``enable_gqa`` needed for fewer kv heads) and as on a branch that
+  has ``k_cache`` and no ``enable_gqa`` (kv heads shared by the flash kernel itself).
+
+Conventions (each checked by a test against the functions' documented behaviour, or named as needing a GPU):
+
+- positional order ``q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k``; everything else by keyword;
+- ``cu_seqlens``: int32 on q's device (flash-attn's docstring: "dtype torch.int32");
+- causal: flash-attn's ``causal=True``; torch's derives it from ``window_size == (-1, 0)`` (a tuple: a list
+  compares unequal and would run non-causal);
+- a sliding window of ``w`` keys (the query and the ``w - 1`` before it): ``window_size=(w - 1, 0)``: flash-attn
+  attends keys ``[i + sk - sq - left, i + sk - sq + right]`` inclusive;
+- GQA: flash-attn shares kv heads when ``heads % kv_heads == 0``; torch 2.13 requires ``enable_gqa=True`` for it;
+- causal alignment is bottom-right when ``cu_q != cu_k`` (flash-attn's docstring); tfcompat passes equal ``cu``
+  only (context-parallel pieces run SDPA), so that convention is proven only by ``bench/gpu_check.py`` on a GPU.
+"""
+
+import inspect
+from typing import Any
+
+__all__ = ["FLASH_ATTN_2", "FLASH_ATTN_3", "TORCH_VARLEN", "signature", "flash_call", "torch_call", "fits"]
+
+_P = inspect.Parameter
+
+
+def signature(spec):
+    """An ``inspect.Signature`` from recorded data: ``(positional names, {keyword: default} after them, keyword-only
+    names)``."""
+    positional, defaults, kwonly = spec
+    params = [_P(n, _P.POSITIONAL_OR_KEYWORD) for n in positional]
+    params += [_P(n, _P.POSITIONAL_OR_KEYWORD, default=d) for n, d in defaults.items()]
+    params += [_P(n, _P.KEYWORD_ONLY, default=None) for n in kwonly]
+    return inspect.Signature(params)
+
+
+_VARLEN_HEAD = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+
+#: flash-attn 2.7.x and 2.8.x ``flash_attn_varlen_func`` (identical in every release of both lines)
+FLASH_ATTN_2 = {
+    "releases": ("2.7.0", "2.7.4.post1", "2.8.0", "2.8.3"),
+    "spec": (_VARLEN_HEAD, {"dropout_p": 0.0, "softmax_scale": None, "causal": False, "window_size": (-1, -1),
+                            "softcap": 0.0, "alibi_slopes": None, "deterministic": False,
+                            "return_attn_probs": False, "block_table": None}, ()),
+}
+#: flash-attn 3 (``flash_attn_interface.flash_attn_varlen_func``): seqused_q where 2.x has dropout_p; not called
+FLASH_ATTN_3 = {
+    "releases": ("3.0.0b1 (hopper/)",),
+    "spec": (_VARLEN_HEAD, {"seqused_q": None, "seqused_k": None, "softmax_scale": None, "causal": False, "qv": None,
+                            "q_descale": None, "k_descale": None, "v_descale": None, "window_size": (-1, -1),
+                            "attention_chunk": 0, "softcap": 0.0, "num_splits": 1, "pack_gqa": None,
+                            "deterministic": False, "sm_margin": 0, "return_attn_probs": False}, ()),
+}
+_TORCH_HEAD = ("query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k")
+#: torch's ``varlen_attn``: as shipped in 2.13.0, and the variant with a KV cache and no ``enable_gqa``
+TORCH_VARLEN: dict[str, Any] = {
+    "2.13": (_TORCH_HEAD, {}, ("return_aux", "scale", "window_size", "enable_gqa", "seqused_k", "block_table",
+                               "num_splits")),
+    "kv-cache branch": (_TORCH_HEAD, {}, ("return_aux", "scale", "window_size", "k_cache", "v_cache",
+                                          "cache_seqlens", "cache_batch_idx", "page_table", "seqused_k")),
+}
+
+
+def _window(causal, window):
+    """flash-attn's (left, right): keys ``[i - left, i + right]``, -1 unbounded."""
+    left = -1 if window is None else window - 1
+    return (left, 0) if causal else (left, -1 if window is None else window - 1)
+
+
+def flash_call(q, k, v, cu, max_len, *, causal, scale, window, dropout_p):
+    """``(args, kwargs)`` for flash-attn 2's ``flash_attn_varlen_func`` over one packed row (cu: int32, q's device).
+
+    flash-attn's ``causal`` is separate from its window: causal without a window is ``(-1, -1)``."""
+    win = (-1, -1) if window is None else _window(causal, window)
+    return (q, k, v, cu, cu, max_len, max_len), dict(dropout_p=dropout_p, softmax_scale=scale, causal=causal,
+                                                   window_size=win)
+
+
+def torch_call(q, k, v, cu, max_len, *, causal, scale, window, params):
+    """``(args, kwargs)`` for torch's ``varlen_attn``: causal is ``window_size == (-1, 0)`` there (a tuple);
+    ``params``: the keyword names the installed function takes (``enable_gqa`` only where it exists)."""
+    kwargs = dict(scale=scale, window_size=_window(causal, window))
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
+    return (q, k, v, cu, cu, max_len, max_len), kwargs
+
+
+_FLASH_NEEDS = ("dropout_p", "softmax_scale", "causal", "window_size")
+_TORCH_NEEDS = ("scale", "window_size")
+
+
+def source_signature(path, name):
+    """The signature of function ``name`` defined in the Python file ``path``, read without importing it (torch's
+    varlen module imports torch._dynamo: seconds that ``report`` need not pay); None where it is not found."""
+    import ast
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+    if fn is None:
+        return None
+    a = fn.args
+    positional = [x.arg for x in a.posonlyargs + a.args]
+    n_default = len(a.defaults)
+    head = positional[:len(positional) - n_default]
+    defaults = {x: None for x in positional[len(positional) - n_default:]}
+    return signature((tuple(head), defaults, tuple(x.arg for x in a.kwonlyargs)))
+
+
+def fits(fn, kind):
+    """Why tfcompat's call does not fit ``fn``'s real signature ('' when it does): the seven leading positional
+    parameters and the keywords the call passes. ``kind``: "flash_attn" or "torch_varlen"."""
+    try:
+        sig = fn if isinstance(fn, inspect.Signature) else inspect.signature(fn)
+    except (TypeError, ValueError) as exc:
+        return f"its signature cannot be read ({exc})"
+    params = list(sig.parameters.values())
+    positional = [p for p in params if p.kind in (_P.POSITIONAL_ONLY, _P.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 7 or any(p.default is not _P.empty for p in positional[:7]):
+        return f"it does not take the 7 leading positional arguments (q, k, v, cu_q, cu_k, max_q, max_k): {sig}"
+    names = {p.name for p in params[7:] if p.kind != _P.VAR_POSITIONAL}
+    needs = _FLASH_NEEDS if kind == "flash_attn" else _TORCH_NEEDS
+    missing = [n for n in needs if n not in names]
+    if missing:
+        return f"it takes no {', '.join(missing)} keyword (signature {sig})"
+    return ""
