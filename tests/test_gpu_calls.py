@@ -146,3 +146,38 @@ def test_installed_torch_varlen_signature_is_recorded():
 def test_report_names_the_unproven_convention():
     reason = _backends.report([])[1].reason
     assert "cu_q != cu_k" in reason and "gpu_check" in reason
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_first_use_proof(dtype):
+    """The proof packed attention's GPU kernels give on first use, run on CPU with stand-ins of the kernel's calling
+    convention: a kernel that computes what the documented convention says passes (once per key); one that drops
+    the boundaries (attends across sequences) fails, and is then not used, with one warning."""
+    import warnings
+
+    import tfcompat
+    from tfcompat._kernels import table
+
+    tfcompat.clear_cache()
+    q, k, v, _ = _row(total=30)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+
+    def reference(a, b, c, bounds):
+        return _sdpa_fallback(a, b, c, bounds, 0.3, True, None, 0.0)
+
+    def by_convention(a, b, c, cu, longest):  # what flash-attn's documented (causal, window) computes
+        return _by_convention(a, b, c, cu, True, (-1, -1), 0.3)
+
+    def one_sequence(a, b, c, cu, longest):  # broken: the boundaries ignored
+        return _by_convention(a, b, c, torch.tensor([0, a.shape[0]]), True, (-1, -1), 0.3)
+
+    assert calls.proven("torch_varlen", by_convention, reference, q, k, v, True, 0.3, None)
+    assert calls.proven("torch_varlen", one_sequence, reference, q, k, v, True, 0.3, None)  # proven: not re-run
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert not calls.proven("flash_attn", one_sequence, reference, q, k, v, True, 0.3, None)
+        assert not calls.proven("flash_attn", one_sequence, reference, q, k, v, True, 0.3, None)
+    assert len([w for w in seen if "flash_attn varlen kernel failed its first-use proof" in str(w.message)]) == 1
+    kinds = {(r["kernel"], r["ok"]) for r in table.proven()}
+    assert kinds == {("torch_varlen", True), ("flash_attn", False)}
+    tfcompat.clear_cache()

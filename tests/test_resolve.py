@@ -46,6 +46,11 @@ def test_report_resolves_everything():
             except Exception:
                 triton = False
             assert r.impl == f"cpu=native cuda={'triton' if triton else 'composite'}" and "composite" in r.reason
+        elif r.capability == "kernels.table":  # every RoPE impl and attention kernel, and this process's proofs
+            for row in ("rope.triton", "rope.native", "rope.composite", "varlen.flash_attn", "varlen.torch_varlen",
+                        "varlen.sdpa"):
+                assert row in r.reason
+            assert r.impl.endswith("proven") or r.impl == "none proven yet"
         else:
             assert r.reason and r.source.startswith("transformers.")
         json.dumps(r.as_dict())

@@ -437,3 +437,66 @@ def test_triton_gpu_tile_matches_upstream_interpreted(name, monkeypatch):
     if cos.dim() == 3 and cos.shape[-1] <= q.shape[-1]:
         grid, _, meta = rope_triton._plan(q, k, q, k, cos, sin, rope_triton.Layout("neox", "", None), 1, False)
         assert meta["BLOCK_R"] * meta["BLOCK_HALF"] <= rope_triton._PAIRS and grid[0] > 2
+
+
+def _broken_launch(rope_triton, monkeypatch, how):
+    """A deliberately broken kernel: the real launch, then its output corrupted; or a launch that fails to compile."""
+    real = rope_triton._launch
+
+    def launch(q, k, qo, ko, cos, sin, layout, seq_dim, inverse):
+        if how == "compile":
+            raise RuntimeError("PTXASError: ptxas failed (a deliberately broken kernel)")
+        real(q, k, qo, ko, cos, sin, layout, seq_dim, inverse)
+        with torch.no_grad():
+            qo.add_(0.25)
+
+    monkeypatch.setattr(rope_triton, "_launch", launch)
+
+
+@pytest.mark.skipif(not triton_ready(), reason="needs triton in its interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("how", ["wrong", "compile"])
+def test_triton_first_use_proof_refuses_a_broken_kernel(how, monkeypatch):
+    """impl='triton' asked by name: a kernel that fails its first-use proof raises before it computes anything;
+    ``auto`` (the proof's other caller) falls back with one warning; both are listed as proven-and-failed."""
+    import warnings
+
+    from tfcompat import clear_cache
+    from tfcompat._kernels import rope_triton, table
+    from tfcompat.errors import TfcompatError
+
+    name = "qwen2"
+    config, cos, sin, q, k, _ = _inputs(name, 2, 9, torch.float32, 1, seed=3)
+    clear_cache()
+    _broken_launch(rope_triton, monkeypatch, how)
+    before = (q.clone(), k.clone())
+    with pytest.raises(TfcompatError, match="first-use proof on cpu") as err:
+        apply_rope_(q, k, cos, sin, config=config, impl="triton")
+    assert ("RuntimeError: PTXASError" if how == "compile" else "max |diff|") in str(err.value)
+    assert torch.equal(q, before[0]) and torch.equal(k, before[1])  # nothing was computed with it
+    layout = rope_triton.Layout("neox", "", None)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ok = [rope_triton.proven(q, k, cos, sin, layout, 2, False, "neox", "", explicit=False) for _ in range(3)]
+    assert ok == [False] * 3
+    assert len([w for w in seen if "failed its first-use proof" in str(w.message)]) == 1
+    records = [r for r in table.proven() if r["kernel"] == "triton"]
+    assert records and not any(r["ok"] for r in records)
+    clear_cache()
+    assert table.proven() == []
+
+
+@pytest.mark.skipif(not triton_ready(), reason="needs triton in its interpreter (TRITON_INTERPRET=1)")
+def test_triton_first_use_proof_runs_once_per_layout():
+    from tfcompat import clear_cache
+    from tfcompat._kernels import rope_triton, table
+
+    clear_cache()
+    config, cos, sin, q, k, _ = _inputs("glm4", 2, 9, torch.bfloat16, 2, seed=4)
+    before = rope_triton.proof_launches
+    for _ in range(3):
+        apply_rope(q, k, cos, sin, config=config, unsqueeze_dim=2, impl="triton")
+    apply_rope_(q.clone(), k.clone(), cos, sin, config=config, unsqueeze_dim=2, impl="triton")  # in place: its own
+    records = [r for r in table.proven() if r["kernel"] == "triton"]
+    assert len(records) == 2 and all(r["ok"] for r in records), records
+    assert rope_triton.proof_launches - before == 2 * 3  # per proof: forward; forward and backward with grads
+    clear_cache()

@@ -36,10 +36,12 @@ def report(families: Optional[Iterable[str]] = None) -> list:
 
 
 def clear_cache() -> None:
-    """Forget every cached resolution (for tests)."""
+    """Forget every cached resolution and every kernel's first-use proof (for tests)."""
     from . import _resolve
+    from ._kernels import table
 
     _resolve.clear_cache()
+    table.forget()
 
 
 def patch(model: Any, *, remove_padding: bool = True, ulysses_group: Any = None, dummy_visual: bool = True,

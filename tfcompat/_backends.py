@@ -15,7 +15,7 @@ from . import _resolve
 from . import version as _version
 
 __all__ = ["installed", "torch_ships", "torch_varlen_signature", "torch_varlen_params", "varlen_unfit", "varlen_kernel",
-           "flash_varlen", "triton_kernels", "impl_for", "report"]
+           "unavailable", "select", "flash_varlen", "triton_kernels", "impl_for", "report"]
 
 
 def installed(package):
@@ -88,16 +88,38 @@ def varlen_unfit():
 
 @functools.lru_cache(maxsize=None)
 def varlen_kernel(dropout: bool) -> str:
-    """The packed-attention kernel for CUDA fp16/bf16 tensors, decided once: flash-attn where it imports and
-    its signature takes tfcompat's call, else PyTorch's varlen_attn likewise (no dropout), else the exact SDPA
-    fallback. torch is imported only to try flash-attn (it must be imported to know whether it works: often it
-    does not)."""
-    why = varlen_unfit()
-    if not why["flash_attn"]:
-        return "flash_attn"
-    if not dropout and not why["torch_varlen"]:
-        return "torch_varlen"
-    return "sdpa"
+    """The packed-attention kernel for CUDA fp16/bf16 tensors, decided once from the kernel table: flash-attn where
+    it imports and its signature takes tfcompat's call, else PyTorch's varlen_attn likewise (no dropout), else the
+    exact SDPA fallback. torch is imported only to try flash-attn (it must be imported to know whether it works:
+    often it does not)."""
+    return select("varlen", "cuda", "bfloat16", dropout)
+
+
+def unavailable(op: str, name: str) -> str:
+    """Why a kernel of the table cannot run here ('' when it can)."""
+    if op == "rope" and name == "triton":
+        mod = triton_kernels()
+        return mod if isinstance(mod, str) else ""
+    if op == "varlen" and name in ("flash_attn", "torch_varlen"):
+        return varlen_unfit()[name]
+    return ""
+
+
+def select(op: str, device: Any, dtype: Any = None, dropout: bool = False) -> str:
+    """What ``auto`` runs for ``op`` ("rope", "varlen") on ``device`` with ``dtype``: the available row of the
+    kernel table (``_kernels.table``) of highest priority that serves them. A GPU kernel then still proves itself
+    on first use (``table.first_use``)."""
+    from ._kernels import table
+
+    kind = getattr(device, "type", str(device).split(":")[0])
+    dtype = None if dtype is None else str(dtype).replace("torch.", "")
+    for row in table.rows(op):
+        if not ("*" in row.devices or kind in row.devices) or (row.dtypes and dtype not in row.dtypes):
+            continue
+        if (dropout and row.name == "torch_varlen") or unavailable(op, row.name):
+            continue
+        return row.name
+    raise AssertionError(f"the kernel table has no fallback for {op} on {kind}")  # every op ends in a "*" row
 
 
 @functools.lru_cache(maxsize=None)
@@ -113,17 +135,34 @@ def triton_kernels():
 
 
 def impl_for(device: Any) -> str:
-    """What ``impl="auto"`` runs on ``device`` ("cpu", "cuda", a torch.device): the decision ``report`` lists.
+    """What ``apply_rope(impl="auto")`` runs on ``device`` ("cpu", "cuda", a torch.device): the decision ``report``
+    lists, from the kernel table.
 
-    CPU: the sliced native kernels (fast in cache). Launch-bound devices (CUDA and others): the fused
-    Triton kernel where triton imports (CUDA builds of torch ship it), else the compact composite.
+    CPU: the sliced native kernels (fast in cache). CUDA: the fused Triton kernel where triton imports (CUDA builds
+    of torch ship it), else the compact composite; other devices: the composite.
     """
-    kind = getattr(device, "type", str(device).split(":")[0])
-    if kind == "cpu":
-        return "native"
-    if kind == "cuda" and not isinstance(triton_kernels(), str):
-        return "triton"
-    return "composite"
+    return select("rope", device)
+
+
+def _kernel_table():
+    from ._kernels import table
+
+    parts = []
+    for op in ("rope", "varlen"):
+        for row in table.rows(op):
+            why = unavailable(op, row.name)
+            where = ",".join(row.devices) or "explicit only"
+            parts.append(f"{op}.{row.name} [{where}{' ' + '/'.join(row.dtypes) if row.dtypes else ''}, priority "
+                         f"{row.priority}{', proves itself on first use' if row.gpu else ''}]"
+                         + (f" unavailable: {why}" if why else ""))
+    done = table.proven()
+    proofs = "; ".join(f"{p['op']}.{p['kernel']} on {p['device']} {p['key']}: "
+                       f"{'ok' if p['ok'] else 'FAILED ' + (p['error'] or 'max |diff| %.3g' % p['max_abs_diff'])} "
+                       f"({p['seconds'] * 1e3:.1f} ms)" for p in done)
+    return _resolve.Resolution(
+        "kernels.table", f"{len(done)} proven" if done else "none proven yet", "",
+        "kernel table: " + "; ".join(parts) + ". First-use proofs in this process: " + (proofs or "none yet"),
+        str(_version.transformers_version()))
 
 
 def _varlen_backends():
@@ -149,4 +188,4 @@ def _rope_impls():
 
 def report(families=None):
     """The environment's decisions, then every family resolution (:func:`_resolve.report`)."""
-    return [_rope_impls(), _varlen_backends()] + _resolve.report(families)
+    return [_rope_impls(), _varlen_backends(), _kernel_table()] + _resolve.report(families)

@@ -230,6 +230,7 @@ def _rotate(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace, 
                                  f"so cos width {width} must equal q's and k's head_dim "
                                  f"({q.shape[-1]}, {k.shape[-1]}); "
                                  f"pass the rotary part of q and k (qk_rope_head_dim)")
+    explicit = impl != "auto"
     if impl == "auto":
         impl = impl_for(q.device)
     grad_trig = cos.requires_grad or sin.requires_grad
@@ -241,9 +242,12 @@ def _rotate(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace, 
         mod = _triton_for(fam, q)
         if not (_compiling() or grad_trig) and mod.fits(q, k, cos, seq_dim, section):
             layout = mod.Layout(rotation, plan.gptj_cos, section)
-            return mod.rope(q, k, cos, sin, layout, seq_dim, inplace=inplace)
+            # first use in this process for this (device, dtype, layout) proves the kernel against the composite
+            if mod.proven(q, k, cos, sin, layout, seq_dim, inplace, rotation, plan.gptj_cos, explicit):
+                return mod.rope(q, k, cos, sin, layout, seq_dim, inplace=inplace)
         # traced by torch.compile / differentiated through cos and sin / q and k of different batches or
-        # dtypes (upstream broadcasts them): the composite computes what upstream does
+        # dtypes (upstream broadcasts them) / the kernel failed its first-use proof under auto: the composite
+        # computes what upstream does
         impl = "composite"
     if plan.cos_rows == 3:
         cos = kernels.fold_contiguous(cos, section)

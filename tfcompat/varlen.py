@@ -192,17 +192,25 @@ def _varlen(q, k, v, cu_seqlens, bounds, max_seqlen, *, causal, softmax_scale, w
     if kind != "sdpa":
         # no host sync: cu goes to the device as int32 (the kernels' documented dtype), max_seqlen is the Python
         # int computed once per step; the arguments are built by _kernels.attention_calls, whose tests bind them
-        # against the libraries' real signatures
+        # against the libraries' real signatures. First use in this process proves the kernel against the SDPA
+        # path on a piece of this call's tensors; a kernel that fails it is not used (one warning).
         from ._kernels import attention_calls as calls
 
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        if kind == "flash_attn":
-            args, kwargs = calls.flash_call(q, k, v, cu, max_seqlen, causal=causal, scale=softmax_scale,
-                                            window=window, dropout_p=dropout_p)
-            return _backends.flash_varlen()(*args, **kwargs)
-        args, kwargs = calls.torch_call(q, k, v, cu, max_seqlen, causal=causal, scale=softmax_scale, window=window,
-                                        params=_backends.torch_varlen_params())
-        return _torch_varlen()(*args, **kwargs)
+        def call(a, b, c, cu, longest, p=dropout_p):
+            if kind == "flash_attn":
+                args, kwargs = calls.flash_call(a, b, c, cu, longest, causal=causal, scale=softmax_scale,
+                                                window=window, dropout_p=p)
+                return _backends.flash_varlen()(*args, **kwargs)
+            args, kwargs = calls.torch_call(a, b, c, cu, longest, causal=causal, scale=softmax_scale, window=window,
+                                            params=_backends.torch_varlen_params())
+            return _torch_varlen()(*args, **kwargs)
+
+        def reference(a, b, c, piece):
+            return _sdpa_fallback(a, b, c, piece, softmax_scale, causal, window, 0.0)
+
+        if calls.proven(kind, lambda a, b, c, cu, longest: call(a, b, c, cu, longest, 0.0), reference, q, k, v,
+                        causal, softmax_scale, window):
+            return call(q, k, v, cu_seqlens.to(device=q.device, dtype=torch.int32), max_seqlen)
     return _sdpa_fallback(q, k, v, bounds, softmax_scale, causal, window, dropout_p)
 
 

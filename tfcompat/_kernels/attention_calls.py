@@ -136,3 +136,35 @@ def fits(fn, kind):
     if missing:
         return f"it takes no {', '.join(missing)} keyword (signature {sig})"
     return ""
+
+
+def proven(kind, call, reference, q, k, v, causal, scale, window):
+    """First use proves a GPU attention kernel (``table.first_use``): for this (kernel, device, dtype, heads,
+    head_dim, causal, window), once per process, a piece of the call's own q, k, v (up to 48 tokens as two
+    sequences) runs through ``call(q, k, v, cu, max_len)`` and through ``reference(q, k, v, bounds)`` (the exact SDPA
+    path, in fp32), forward and backward. False: the caller runs the reference path instead."""
+    import torch
+
+    from . import table
+
+    key = (str(q.dtype)[6:], q.shape[1], k.shape[1], q.shape[2], bool(causal), window)
+    n = min(q.shape[0], 48)
+    cut = max(1, n // 3)
+    bounds = [0, cut, n] if n > cut else [0, n]
+
+    def both_ways(fn, dtype):
+        pieces = [t.detach()[:n].to(dtype).requires_grad_(True) for t in (q, k, v)]
+        with torch.enable_grad():
+            out = fn(*pieces)
+            grads = torch.autograd.grad(out, pieces, pieces[0].detach().to(out.dtype))
+        return (out, *grads)
+
+    def run():
+        cu = torch.tensor(bounds, dtype=torch.int32, device=q.device)
+        longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        return both_ways(lambda a, b, c: call(a, b, c, cu, longest), q.dtype)
+
+    def ref():
+        return both_ways(lambda a, b, c: reference(a, b, c, bounds), torch.float32)
+
+    return table.first_use("varlen", kind, q.device, key, run, ref, explicit=False)

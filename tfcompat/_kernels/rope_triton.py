@@ -28,7 +28,7 @@ import triton.language as tl
 
 # Sized for the GPU (registers, spills), not for the interpreter: a program rotates _PAIRS pairs (rows of one token
 # and head times the rotary pairs of a row, padded to a power of two) with _WARPS warps, 4 pairs a thread, and
-# copies a partial-rotary tail in chunks of the same size. Triton's compiler, run with no device
+# copies a partial-rotary tail in chunks of up to twice that many elements. Triton's compiler, run with no device
 # (tools/compile_proof.py, tests/test_compile_proof.py), proves every variant the launcher below can produce for
 # sm_80, sm_90 and sm_100: no spill, at most _MAX_REGISTERS registers a thread, so at least 4 programs (16 warps)
 # reside on an SM to keep loads in flight. (A 4096-pair tile, sized in the interpreter, spilled in every variant.)
@@ -41,8 +41,10 @@ _MAX_REGISTERS = 128
 # arithmetic of a row does not depend on how rows are grouped; the tests also run the GPU tile interpreted)
 _INTERPRETER_PAIRS = 4096
 
-#: kernel launches since import (tests count them: one per apply_rope call, one per backward)
+#: kernel launches since import (tests count them: one per apply_rope call, one per backward); the first-use
+#: proofs' own launches are counted apart
 launches = 0
+proof_launches = 0
 
 
 @triton.jit
@@ -220,14 +222,16 @@ def _plan(q, k, qo, ko, cos, sin, layout, seq_dim, inverse):
 
     sec0, sec1 = (tuple(layout.section) + (0, 0))[:2] if rows3 else (0, 0)  # 1-3 sections: T, H, rest W
     block_half = triton.next_power_of_2(max(rd // 2, 1))
-    block_r = max(1, (_INTERPRETER_PAIRS if _INTERPRETED else _PAIRS) // block_half)
+    pairs = _INTERPRETER_PAIRS if _INTERPRETED else _PAIRS
+    block_r = max(1, pairs // block_half)
     q_rows, k_rows = batch * seq * hq, batch * seq * hk
     q_programs = triton.cdiv(q_rows, block_r)
     grid = (q_programs + triton.cdiv(k_rows, block_r),)
     args = (q4, k4, qo4, ko4, cos, sin, seq, hq, hk, q_rows, k_rows, q_programs, sec0, sec1,
             *q4.stride(), *k4.stride(), *qo4.stride(), *ko4.stride(), *trig_strides(cos), *trig_strides(sin))
     meta = dict(D=dim, RD=rd, BLOCK_R=block_r, BLOCK_HALF=block_half,
-                BLOCK_TAIL=min(block_half, triton.next_power_of_2(max(dim - rd, 1))),
+                # the tail in chunks of up to two tiles' elements (narrower chunks spilled: 16 columns at rd 20)
+                BLOCK_TAIL=min(max(block_half, 2 * pairs // block_r), triton.next_power_of_2(max(dim - rd, 1))),
                 IN_PAIRS=int(in_pairs), OUT_PAIRS=int(out_pairs), COS_MODE=layout.cos_mode, ROWS3=rows3,
                 INVERSE=inverse, COPY_TAIL=(dim > rd and qo is not q),
                 UPCAST=q.dtype in (torch.float16, torch.bfloat16), num_warps=_WARPS)
@@ -305,3 +309,53 @@ def rope(q, k, cos, sin, layout, seq_dim, inplace=False):
             (q._base is not None or k._base is not None):
         return (_TritonRopeOne.apply(q, cos, sin, layout, seq_dim), _TritonRopeOne.apply(k, cos, sin, layout, seq_dim))
     return _TritonRope.apply(q, k, cos, sin, layout, seq_dim, inplace)
+
+
+def proven(q, k, cos, sin, layout, seq_dim, inplace, rotation, gptj_cos, explicit):
+    """First use proves the kernel (``table.first_use``): for this call's (device, dtypes, layout, widths, in place),
+    once per process, a slice of the call's own tensors (one batch row, up to 8 tokens) is rotated forward and
+    back by this kernel and by the composite, on the same device. False: ``auto`` falls back to the composite."""
+    from . import rope as kernels
+    from . import table
+
+    rows3 = cos.dim() == 4
+    key = (str(q.dtype)[6:], str(cos.dtype)[6:], layout.in_pairs, layout.out_pairs, layout.cos_mode, rows3,
+           seq_dim, q.shape[-1], cos.shape[-1], bool(inplace))
+    n = min(8, q.shape[seq_dim])
+
+    def piece():
+        qs, ks = (t.detach()[:1].narrow(seq_dim, 0, n).clone() for t in (q, k))
+        cs, ss = ((t.detach()[:, :1] if rows3 else t.detach()[:1]).narrow(-2, 0, n) for t in (cos, sin))
+        return qs, ks, cs, ss
+
+    def both_ways(rotate, dtype=None):
+        qs, ks, cs, ss = piece()
+        if dtype is not None:
+            qs, ks = qs.to(dtype), ks.to(dtype)
+        with torch.no_grad():
+            fq, fk = rotate(qs.clone(), ks.clone(), cs, ss, inplace)
+        with torch.enable_grad():
+            qg, kg = qs.requires_grad_(True), ks.requires_grad_(True)
+            oq, ok = rotate(qg * 1, kg * 1, cs, ss, False)
+            # the same gradient values into both backwards: the piece itself (in each path's dtype)
+            gq, gk = torch.autograd.grad((oq, ok), (qg, kg), (qs.detach().to(oq.dtype), ks.detach().to(ok.dtype)))
+        return fq, fk, gq, gk
+
+    def run():
+        global launches, proof_launches
+        before = launches
+        try:
+            return both_ways(lambda a, b, c, s, ip: rope(a, b, c, s, layout, seq_dim, inplace=ip))
+        finally:  # counted apart: ``launches`` counts the calls' own launches
+            proof_launches += launches - before
+            launches = before
+
+    def reference():  # the composite in fp32 on the same values (cos/sin first cast to q's dtype, as the kernel)
+        def composite(a, b, c, s, ip):
+            if rows3:
+                c, s = kernels.fold_contiguous(c, layout.section), kernels.fold_contiguous(s, layout.section)
+            c, s = c.to(q.dtype).float(), s.to(q.dtype).float()
+            return kernels.compact(a, b, c, s, rotation, gptj_cos, 1 if seq_dim == 2 else 2)
+        return both_ways(composite, torch.float32)
+
+    return table.first_use("rope", "triton", q.device, key, run, reference, explicit)

@@ -1,0 +1,141 @@
+"""One table of the kernels tfcompat runs, and the proof each GPU kernel gives on first use.
+
+Every RoPE implementation and packed-attention kernel is a row: the operation, its name, the devices ``auto``
+picks it on, the dtypes it serves there, its priority, and whether it is a GPU kernel that must prove itself
+before it serves. ``_backends`` adds availability (what is installed and fits) and selects from it; ``report``
+lists its rows.
+
+First use proves the kernel: the first time a GPU kernel would serve a (kernel, device, dtype, layout) in this
+process, it runs once on a small slice of the real inputs beside the proven path (the composite RoPE, the exact
+SDPA attention) on the same device, forward and backward, and the results are compared. Under ``auto`` a compile
+error or a mismatch falls back to the proven path with one warning naming the kernel, the device and how to
+report it; an explicit choice raises. The comparison syncs with the host once per key; after it, a proven key
+costs one dictionary look-up a call. Pure tensor code: nothing here reads transformers.
+"""
+
+import threading
+import time
+import warnings
+from typing import NamedTuple, Optional
+
+__all__ = ["Impl", "TABLE", "rows", "first_use", "proven", "forget"]
+
+
+class Impl(NamedTuple):
+    op: str  # "rope" or "varlen"
+    name: str
+    devices: tuple  # where ``auto`` may pick it ("*": every device)
+    dtypes: Optional[tuple]  # the dtypes it serves under ``auto`` (None: every floating dtype)
+    priority: int  # higher first
+    gpu: bool  # a GPU kernel: proves itself on first use
+    note: str
+
+
+TABLE = (
+    Impl("rope", "triton", ("cuda",), None, 30, True, "one fused Triton launch for q and k, forward and backward"),
+    Impl("rope", "native", ("cpu",), None, 20, False, "sliced in-cache kernels"),
+    Impl("rope", "composite", ("*",), None, 10, False, "10-14 tensor ops; what torch.compile traces"),
+    Impl("rope", "upstream", (), None, 0, False, "the installed transformers' own function (explicit only)"),
+    Impl("varlen", "flash_attn", ("cuda",), ("float16", "bfloat16"), 30, True, "flash_attn_varlen_func"),
+    Impl("varlen", "torch_varlen", ("cuda",), ("float16", "bfloat16"), 20, True,
+         "torch.nn.attention.varlen.varlen_attn (no dropout)"),
+    Impl("varlen", "sdpa", ("*",), None, 0, False, "exact: one fused SDPA call per sequence"),
+)
+
+
+def rows(op):
+    """The table's rows for one operation, highest priority first."""
+    return sorted((r for r in TABLE if r.op == op), key=lambda r: -r.priority)
+
+
+# (op, name, device, key) -> {"ok", "max_abs_diff", "tolerance", "seconds", "error", "warned"}
+_PROVEN: dict = {}
+_LOCK = threading.Lock()
+
+# |got - want| <= tol * max(1, max |want|) per output dtype, want computed in fp32 from the same inputs: a kernel
+# that computes in fp32 and rounds once is within half an ulp of its output dtype (the bound: 2-4 ulps); a wrong
+# channel, sign or row is off by the values' own size
+_TOL = {"float32": 1e-5, "float64": 1e-10, "bfloat16": 2.0 ** -6, "float16": 2.0 ** -8}
+
+
+def _compare(got, want, dtype):
+    """(max |diff|, within tolerance, tolerance): one stacked reduction read once (the proof's one host sync)."""
+    import torch
+
+    tol = _TOL.get(str(dtype).replace("torch.", ""), _TOL["float32"])
+    diffs, scales = [], []
+    for g, w in zip(got, want):
+        if g.shape != w.shape:
+            raise AssertionError(f"outputs differ in shape: {tuple(g.shape)} vs {tuple(w.shape)}")
+        if g.numel():
+            diffs.append((g.float() - w.float()).abs().max())
+            scales.append(w.float().abs().max())
+    if not diffs:
+        return 0.0, True, tol
+    worst, scale = torch.stack((torch.stack(diffs).max(), torch.stack(scales).max())).tolist()
+    return worst, worst <= tol * max(1.0, scale), tol
+
+
+def first_use(op, name, device, key, run, reference, explicit):
+    """Whether kernel ``name`` may serve ``key`` on ``device``: proven now (first use in this process) or before.
+
+    ``run()`` and ``reference()`` return tuples of tensors (outputs and gradients) of the kernel and of the proven
+    path on a small slice. ``explicit``: the caller asked for this kernel by name: a failed proof raises a
+    ``TfcompatError`` instead of falling back."""
+    from ..errors import TfcompatError
+
+    slot = (op, name, str(device), key)
+    record = _PROVEN.get(slot)
+    if record is None and _compiling():
+        return False  # a proof reads its result on the host: not inside a compiled region (an eager call proves it)
+    if record is None:
+        with _LOCK:
+            record = _PROVEN.get(slot)
+            if record is None:
+                record = _PROVEN[slot] = _prove(run, reference)
+    if record["ok"]:
+        return True
+    what = (f"tfcompat: the {name} {op} kernel failed its first-use proof on {device} for {key}: "
+            f"{record['error'] or 'max |diff| %.3g against the proven path' % record['max_abs_diff']}")
+    if explicit:
+        raise TfcompatError(f"{what}; nothing was computed with it. Use the proven path (impl='composite' for "
+                            f"RoPE, or impl='auto', which falls back), and report this with `tfcompat report` and "
+                            f"`tfcompat check --device {str(device).split(':')[0]}` output at the project's issues")
+    if not record["warned"]:
+        record["warned"] = True
+        warnings.warn(f"{what}; falling back to the proven path for it in this process. Please report it with "
+                      f"`tfcompat report` and `tfcompat check --device {str(device).split(':')[0]}` output",
+                      RuntimeWarning, stacklevel=3)
+    return False
+
+
+def _compiling():
+    import torch
+
+    return torch.compiler.is_compiling()
+
+
+def _prove(run, reference):
+    start = time.perf_counter()
+    record = {"ok": False, "max_abs_diff": float("nan"), "tolerance": None, "seconds": 0.0, "error": None,
+              "warned": False}
+    try:
+        got = run()
+        want = reference()
+        record["max_abs_diff"], record["ok"], record["tolerance"] = _compare(got, want, got[0].dtype)
+    except Exception as exc:  # a compile or launch error is a failed proof, with its reason
+        record["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    record["seconds"] = round(time.perf_counter() - start, 4)
+    return record
+
+
+def proven():
+    """What this process has proven (or found failing): one dict per (op, kernel, device, key)."""
+    return [dict(op=op, kernel=name, device=device, key=key, **{k: v for k, v in rec.items() if k != "warned"})
+            for (op, name, device, key), rec in list(_PROVEN.items())]
+
+
+def forget():
+    """Drop every proof (tests; ``tfcompat.clear_cache``)."""
+    with _LOCK:
+        _PROVEN.clear()
