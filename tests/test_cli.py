@@ -195,3 +195,43 @@ def test_report_output_to_a_folder_or_an_unwritable_path(tmp_path, capsys):
     assert "cannot write --output" in capsys.readouterr().err
     assert main(["report", "--output", str(tmp_path / "new" / "report.json")]) in (0, None)
     assert json.loads((tmp_path / "new" / "report.json").read_text())["resolutions"]
+
+
+def test_check_device_cuda_refuses_in_one_line_without_a_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible: the refusal is for machines without one")
+    out = run("check", "--device", "cuda")
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA device is visible" in lines[0] and "tfcompat check" in lines[0]
+
+
+def test_check_device_plan_names_the_kernels_it_would_prove(capsys):
+    """--plan needs no device: the kernels auto picks on CUDA here (from the kernel table) and the checks."""
+    from tfcompat import _backends
+
+    code, out = check_here(capsys, "--device", "cuda", "--plan", "--family", "qwen2")
+    assert code == 0
+    rope, attn = _backends.select("rope", "cuda"), _backends.select("varlen", "cuda", "bfloat16")
+    assert f"rope: {rope}" in out and f"packed attention (bf16): {attn}" in out
+    assert f"rope.{rope}.bf16.vs_cpu_fp32" in out and f"varlen.{attn}.bf16" in out and "attention.packed.fp32" in out
+    assert ("proves itself on first use" in out) == (rope == "triton" or attn != "sdpa")
+
+
+def test_check_device_runs_the_shared_checks(capsys):
+    """--device cpu runs the device path (the one --device cuda runs) here: the same packed == padded check, with
+    the same seeds, gives exactly the plain check's number; speed lines side by side; exit 0."""
+    code, out = check_here(capsys, "--device", "cpu", "--dtype", "bf16", "--family", "qwen2_vl", "--json")
+    assert code == 0, out
+    doc = json.loads(out)
+    by = {r["check"]: r for r in doc["results"]}
+    assert set(by) == {"rope.native.bf16", "rope.native.bf16.inplace", "rope.native.bf16.vs_cpu_fp32",
+                       "attention.packed.fp32", "varlen.sdpa.bf16"} and doc["passed"]
+    assert set(doc["speed_ms"]) == {"rope native", "rope upstream", "copy q, k"}
+    code, plain = check_here(capsys, "--family", "qwen2_vl", "--json")
+    same = next(r for r in json.loads(plain)["results"] if r["check"] == "attention.packed")
+    assert by["attention.packed.fp32"]["max_abs_diff"] == same["max_abs_diff"]
+    code, out = check_here(capsys, "--device", "cpu", "--family", "qwen2_vl", "--tolerance", "-1")
+    assert code == 1 and "FAIL" in out

@@ -114,8 +114,9 @@ def _model(name, config):
     return model_class(name)(config).float().eval()
 
 
-def _packed_vs_padded(name, config=None, model=None):
-    """Patched model on a packed batch vs the unpatched model on the padded batch: logits and grads."""
+def _packed_vs_padded(name, config=None, model=None, device=None):
+    """Patched model on a packed batch vs the unpatched model on the padded batch: logits and grads (on
+    ``device``: the model and every input moved there, the inputs drawn on the CPU as everywhere)."""
     import torch
 
     from . import _patch
@@ -127,14 +128,19 @@ def _packed_vs_padded(name, config=None, model=None):
     # a model with its own weights (--model): text rows (the tiny rows' image ids are not its image ids)
     vision = family(name).vision and model is None
     model = _model(name, config) if model is None else model
+    if device is not None:
+        model = model.to(device)
     window = getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "sliding_window", None)
     longer = 2 * int(window) + 3 if window and int(window) < 16 else 5  # sequences longer than the window
     rows = [tiny_sequence(name, text=longer, image=vision, config=model.config),
             tiny_sequence(name, text=3, image=vision, image_first=True, config=model.config)]
     ids, mask = padded_batch(rows)
     pixels = tiny_pixels(2 if vision else 0)
+    if device is not None:
+        ids, mask = ids.to(device), mask.to(device)
+        pixels = {k: v.to(device) for k, v in pixels.items()}
     ref = model(input_ids=ids, attention_mask=mask, use_cache=False, **_forward_kwargs(model, ids, pixels)).logits
-    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(0))
+    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(0)).to(ref.device)
     (ref * weights * mask[..., None]).sum().backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)

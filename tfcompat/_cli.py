@@ -94,6 +94,8 @@ def _report(args):
 def _check(args):
     from . import _checks, _resolve, version
 
+    if args.device or args.plan or args.dtype:
+        return _check_device(args)
     if args.config or args.model:
         return _check_model(args)
     try:
@@ -176,6 +178,55 @@ def _check_model(args):
     else:
         print(f"{len(results) - failed - skipped} passed, {failed} failed, {skipped} skipped ({path}, "
               f"transformers {doc['transformers']}, {doc['seconds']:.1f}s)")
+    return 0 if failed == 0 else 1
+
+
+def _check_device(args):
+    """``check --device DEV [--dtype T] [--plan]``: the checks on the user's device (``_device_checks``)."""
+    from . import _device_checks, _resolve, version
+
+    device = args.device or "cuda"
+    dtype = args.dtype or ("fp32" if device == "cpu" else "bf16")
+    if args.config or args.model:
+        return _check_fail(args, "--device runs the families' tiny models; check --config/--model on the CPU")
+    try:
+        version.require_supported_transformers("tfcompat check")
+        installed = _resolve.installed_families()
+        names = installed if not args.family else [_resolve._family(f).name for f in args.family]
+        kernels, checks, attention = _device_checks.plan(device, dtype)
+    except Exception as exc:
+        return _check_fail(args, f"{type(exc).__name__}: {exc}")
+    if args.plan:
+        print(f"tfcompat check --device {device} --dtype {dtype} would run, per family ({len(names)}): "
+              f"{', '.join(checks)}; once: {attention}; then the RoPE speed lines. Kernels there:")
+        for line in kernels:
+            print(f"  {line}")
+        return 0
+    why = _device_checks.unavailable(device)
+    if why:
+        return _check_fail(args, why)
+    _quiet_transformers()
+    start = time.perf_counter()
+    width = max(len(n) for n in names + ["(kernel)"])
+    results = []
+    for result in _device_checks.run(names, device, dtype, args.tolerance):
+        results.append(result)
+        if not args.json:
+            print(_check_line(result, width), flush=True)
+    speeds = _device_checks.speed(device, dtype)
+    failed = sum(not r["passed"] for r in results)
+    doc = {"schema": SCHEMA, "tfcompat": __version__, "transformers": _dist_version("transformers"),
+           "torch": _dist_version("torch"), "device": device, "dtype": dtype, "families": names,
+           "results": results, "speed_ms": dict(speeds), "passed": failed == 0,
+           "seconds": round(time.perf_counter() - start, 3)}
+    if args.json:
+        print(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        copy = speeds[-1][1]
+        for label, ms in speeds:
+            print(f"  speed {label:<16} {ms:9.3f} ms  {ms / copy:5.2f}x the copy")
+        print(f"{len(results) - failed} passed, {failed} failed on {device} {dtype} ({len(names)} families, "
+              f"{doc['seconds']:.1f}s)")
     return 0 if failed == 0 else 1
 
 
@@ -293,6 +344,12 @@ def build_parser():
                         "that decides RoPE and attention")
     p.add_argument("--model", metavar="PATH",
                    help="check a local checkpoint folder with its own weights (fp32 on CPU: small models)")
+    p.add_argument("--device", metavar="DEV", help="run the checks on this device (cuda, cuda:1, cpu) with the "
+                                                   "kernels auto picks there; exit 2 where it is not visible")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="with --device: the dtype (default bf16 on "
+                                                                      "GPUs, fp32 on the CPU)")
+    p.add_argument("--plan", action="store_true", help="with --device: print which kernels and checks would run "
+                                                       "there, and run nothing (needs no device)")
     p.set_defaults(func=_check)
     p = sub.add_parser("vendor", help="copy the package into DEST (e.g. myproj/_vendor/tfcompat)")
     p.add_argument("dest", metavar="DEST")

@@ -1,0 +1,162 @@
+"""``tfcompat check --device DEV --dtype T``: every check of ``tfcompat check``, on the user's own device, with the
+kernels ``auto`` picks there, against upstream on the same device and against the fp32 CPU reference.
+
+The checks share their code with ``tfcompat check`` (``_checks``): inputs are drawn on the CPU with the same seeds
+and moved to the device. Per family: RoPE by the kernel ``auto`` runs there (forward and backward; out of place and
+in place) against upstream's own function on the device, and against upstream in fp32 on the CPU; packed ==
+padded logits and gradients on the device (fp32, exact to the whole-model tolerance). Once: the packed-attention
+kernel ``report`` names for the device against the exact SDPA path in fp32 on the CPU, forward and backward. Then
+speed lines, side by side in one run: the RoPE kernel against upstream and a bandwidth copy. Each GPU kernel also
+proves itself on first use (``_kernels.table``); ``plan`` lists what would run, without a device.
+"""
+
+import time
+
+from . import _backends, _checks
+
+__all__ = ["plan", "run", "unavailable"]
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# vs the fp32 CPU reference: the dtype's rounding of O(1) values (two ulps at |x| < 8), fp32 a few ulp
+_VS_CPU = {"fp32": 1e-5, "bf16": 2.0 ** -4, "fp16": 2.0 ** -7}
+
+
+def unavailable(device):
+    """Why ``device`` cannot run the checks here ('' when it can): one line."""
+    import torch
+
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return ""
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            return (f"--device {device}: no CUDA device is visible to torch {torch.__version__} ({build}); run it on "
+                    f"the GPU machine, or check the CPU with `tfcompat check`")
+        index = torch.device(device).index or 0
+        if index >= torch.cuda.device_count():
+            return f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible"
+        return ""
+    return f"--device {device}: tfcompat check runs on cpu or cuda"
+
+
+def plan(device, dtype):
+    """What the run would check on ``device``: (kernel lines, check names per family). Needs no device."""
+    import torch
+
+    kind = torch.device(device).type
+    rope = _backends.select("rope", kind)
+    attn = _backends.select("varlen", kind, _DTYPES[dtype])
+    kernels = [f"rope: {rope} ({'proves itself on first use' if rope == 'triton' else 'no GPU kernel'})",
+               f"packed attention ({dtype}): {attn}" + (" (proves itself on first use)" if attn != "sdpa" else ""),
+               "distributed: " + ("2-process NCCL checks are not run by this command yet: run "
+                                  "tests/test_distributed.py on the machine" if kind == "cuda" else "none")]
+    for op, name in (("rope", "triton"), ("varlen", "flash_attn"), ("varlen", "torch_varlen")):
+        why = _backends.unavailable(op, name)
+        if why and kind == "cuda":
+            kernels.append(f"not {op}.{name}: {why}")
+    checks = [f"rope.{rope}.{dtype}", f"rope.{rope}.{dtype}.inplace", f"rope.{rope}.{dtype}.vs_cpu_fp32",
+              "attention.packed.fp32"]
+    return kernels, checks, f"varlen.{attn}.{dtype}"
+
+
+def _rope(name, device, dtype, inplace, vs_cpu):
+    import torch
+
+    from .rope import apply_rope, apply_rope_
+
+    dt = getattr(torch, _DTYPES[dtype])
+    config, _, cos, sin, q, k, g = _checks._setup(name, dt)
+    gq, gk = torch.randn(q.shape, generator=g).to(dt), torch.randn(k.shape, generator=g).to(dt)
+    on = [t.to(device) for t in (cos, sin, q, k, gq, gk)]
+    fn = apply_rope_ if inplace else apply_rope
+    got = _checks._fwd_bwd(lambda a, b: fn(a, b, on[0], on[1], config=config), *on[2:])
+    if vs_cpu:  # upstream in fp32 on the CPU, from the same (rounded) inputs
+        c32, s32 = cos.float(), sin.float()
+        want = _checks._fwd_bwd(lambda a, b: apply_rope(a, b, c32, s32, config=config, impl="upstream"),
+                                q.float(), k.float(), gq.float(), gk.float())
+    else:
+        want = _checks._fwd_bwd(lambda a, b: apply_rope(a, b, on[0], on[1], config=config, impl="upstream"), *on[2:])
+    return max((w.float().cpu() - h.float().cpu()).abs().max().item() for w, h in zip(want, got))
+
+
+def _varlen(device, dtype):
+    import torch
+
+    from .varlen import _sdpa_fallback, varlen_attention
+
+    g = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 100, 101, 612, 1000], dtype=torch.int32)
+    qkv = [torch.randn(1000, h, 64, generator=g) for h in (8, 2, 2)]
+    go = torch.randn(1000, 8, 64, generator=g)
+    dt = getattr(torch, _DTYPES[dtype])
+    on = [t.to(device=device, dtype=dt).requires_grad_(True) for t in qkv]
+    out = varlen_attention(*on, cu.to(device))
+    got = (out, *torch.autograd.grad(out, on, go.to(device=device, dtype=dt)))
+    ref_in = [t.clone().requires_grad_(True) for t in qkv]
+    ref = _sdpa_fallback(*ref_in, cu.tolist(), 64 ** -0.5, True, None, 0.0)
+    want = (ref, *torch.autograd.grad(ref, ref_in, go))
+    return max((w - h.float().cpu()).abs().max().item() for w, h in zip(want, got))
+
+
+def run(names, device, dtype, tolerance=None):
+    """Yield result dicts (``tfcompat check``'s schema) for ``names`` on ``device`` in ``dtype``."""
+    from ._families import family
+
+    _, checks, attention = plan(device, dtype)
+    tol_dev = _checks._TOL["bf16"] if dtype != "fp32" else _checks._TOL["fp32"]
+    for name in names:
+        fam = family(name)
+        rotary, patchable = _checks._rotary(fam), _checks._patchable(fam)
+        table = [(checks[0], lambda n=name: _rope(n, device, dtype, False, False), rotary, tol_dev, "fwd+bwd"),
+                 (checks[1], lambda n=name: _rope(n, device, dtype, True, False), rotary, tol_dev, "fwd+bwd"),
+                 (checks[2], lambda n=name: _rope(n, device, dtype, False, True), rotary, _VS_CPU[dtype], "fwd+bwd"),
+                 (checks[3], lambda n=name: _checks._packed_vs_padded(n, device=device), patchable,
+                  _checks._TOL["attention"], "fwd+bwd")]
+        for check, fn, reason, tol, what in table:
+            yield _one(name, check, fn, reason, tolerance if tolerance is not None else tol, what)
+    yield _one("(kernel)", attention, lambda: _varlen(device, dtype), None,
+               tolerance if tolerance is not None else _VS_CPU[dtype] * 4, "fwd+bwd")
+
+
+def _one(name, check, fn, reason, tol, what):
+    if reason is not None:
+        return {"family": name, "check": check, "compares": what, "max_abs_diff": None, "tolerance": None,
+                "passed": True, "skipped": reason, "seconds": 0.0, "error": None}
+    result = _checks._result(name, check, fn, tol)
+    result.update(compares=what, skipped=None)
+    return result
+
+
+def speed(device, dtype, repeats=20):
+    """(label, milliseconds) side by side in one run: apply_rope by auto's kernel, upstream's, and a copy of q and
+    k (the bandwidth bound), forward, on a Qwen2.5-7B-shaped row (smaller on the CPU)."""
+    import torch
+
+    from .rope import apply_rope
+
+    dt = getattr(torch, _DTYPES[dtype])
+    cuda = torch.device(device).type == "cuda"
+    seq, hq, hk, dim = (16384, 28, 4, 128) if cuda else (2048, 8, 2, 64)
+    q = torch.randn(1, seq, hq, dim, device=device, dtype=dt)
+    k = torch.randn(1, seq, hk, dim, device=device, dtype=dt)
+    pos = torch.arange(seq, device=device, dtype=torch.float32)
+    freqs = pos[:, None] / 10000 ** (torch.arange(0, dim, 2, device=device) / dim)[None]
+    emb = torch.cat((freqs, freqs), -1)[None]
+    cos, sin = emb.cos().to(dt), emb.sin().to(dt)
+    runs = {f"rope {_backends.select('rope', device)}": lambda: apply_rope(q, k, cos, sin, model_type="qwen2",
+                                                                          unsqueeze_dim=2),
+            "rope upstream": lambda: apply_rope(q, k, cos, sin, model_type="qwen2", unsqueeze_dim=2, impl="upstream"),
+            "copy q, k": lambda: (q.clone(), k.clone())}
+    out = []
+    for label, fn in runs.items():
+        fn()  # warm-up (and the first-use proof)
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        out.append((label, (time.perf_counter() - start) * 1e3 / repeats))
+    return out
