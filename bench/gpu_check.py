@@ -55,25 +55,22 @@ def main():
     if varlen._backends.torch_ships("nn/attention/varlen.py"):
         # PyTorch's own varlen kernel, as varlen._varlen calls it (causal, and a sliding window of 64)
         for window in (None, 64):
-            left = -1 if window is None else window - 1
-            out = varlen._torch_varlen()(q, k, v, cu, cu, 511, 511, scale=64 ** -0.5, window_size=(left, 0),
-                                         enable_gqa=True)
+            from tfcompat._kernels import attention_calls as calls
+
+            args, kwargs = calls.torch_call(q, k, v, cu, 511, causal=True, scale=64 ** -0.5, window=window,
+                                            params=varlen._backends.torch_varlen_params())
+            out = varlen._torch_varlen()(*args, **kwargs)
             failures += against_fallback(f"torch varlen_attn (window {window})", out, window)
     else:
         print("[skip] this torch has no torch.nn.attention.varlen")
 
-    from tfcompat import _checks
+    # the checks `tfcompat check --device cuda` runs (inputs drawn on the CPU, moved to the device), on one family
+    from tfcompat import _device_checks
 
-    torch.set_default_device(dev)
-    try:
-        for check in ("rope.native.fp32", "rope.native.bf16", "attention.packed"):
-            fn = {c: f for c, f, _ in _checks.CHECKS}[check]
-            res = _checks._result("qwen2_vl", check, lambda fn=fn: fn("qwen2_vl"), None)
-            failures += not res["passed"]
-            print(f"[{'ok' if res['passed'] else 'FAIL'}] qwen2_vl {check} on CUDA: max|diff| "
-                  f"{res['max_abs_diff']:.3g} (tol {res['tolerance']:.2g}) {res['error'] or ''}")
-    finally:
-        torch.set_default_device("cpu")
+    for res in _device_checks.run(["qwen2_vl"], "cuda", "bf16"):
+        failures += not res["passed"]
+        print(f"[{'ok' if res['passed'] else 'FAIL'}] {res['family']} {res['check']} on CUDA: max|diff| "
+              f"{res['max_abs_diff']:.3g} (tol {res['tolerance']:.2g}) {res['error'] or ''}")
     failures += piece_alignment(dev)
     del varlen
     failures += rope_speed(dev)
@@ -219,3 +216,9 @@ def rope_speed(dev):
             torch.cuda.empty_cache()
     print("targets: tri/copy <= 1.3, fb tri/up <= 0.5, tri/liger < 1 (liger: Qwen shape only; nan where absent)")
     return failures
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

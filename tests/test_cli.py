@@ -235,3 +235,14 @@ def test_check_device_runs_the_shared_checks(capsys):
     assert by["attention.packed.fp32"]["max_abs_diff"] == same["max_abs_diff"]
     code, out = check_here(capsys, "--device", "cpu", "--family", "qwen2_vl", "--tolerance", "-1")
     assert code == 1 and "FAIL" in out
+
+
+def test_gpu_check_script_runs_and_refuses_without_a_gpu():
+    """bench/gpu_check.py, the one prepared GPU script, runs its main (it once ended without calling it: exit 0,
+    nothing checked); on a machine without CUDA it says so and exits 2."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible: run the script itself")
+    out = python(os.path.join("bench", "gpu_check.py"))
+    assert out.returncode == 2 and "no CUDA device" in out.stdout
