@@ -28,7 +28,7 @@ import triton.language as tl
 
 # Sized for the GPU (registers, spills), not for the interpreter: a program rotates _PAIRS pairs (rows of one token
 # and head times the rotary pairs of a row, padded to a power of two) with _WARPS warps, 4 pairs a thread, and
-# copies a partial-rotary tail in chunks of up to twice that many elements. Triton's compiler, run with no device
+# copies a partial-rotary tail in chunks of the same size. Triton's compiler, run with no device
 # (tools/compile_proof.py, tests/test_compile_proof.py), proves every variant the launcher below can produce for
 # sm_80, sm_90 and sm_100: no spill, at most _MAX_REGISTERS registers a thread, so at least 4 programs (16 warps)
 # reside on an SM to keep loads in flight. (A 4096-pair tile, sized in the interpreter, spilled in every variant.)
@@ -80,12 +80,14 @@ def _rotate_rows(x_ptr, o_ptr, xb, xh, xs, xd, ob, oh, os_, od, cos_ptr, sin_ptr
                  ROWS3: tl.constexpr, INVERSE: tl.constexpr, COPY_TAIL: tl.constexpr, UPCAST: tl.constexpr):
     """BLOCK_R rows (one token and head each) of one tensor: the rotary channels, then the tail."""
     HALF: tl.constexpr = RD // 2
-    r = (row0 + tl.arange(0, BLOCK_R)).to(tl.int64)  # int64: offsets of q past 2**31 elements stay exact
+    # row indices in int32 (the launcher refuses 2**31 rows); offsets in int64: q past 2**31 elements stays exact.
+    # 64-bit division of every row index cost registers and spilled on sm_80-sm_100
+    r = row0 + tl.arange(0, BLOCK_R)
     rmask = r < n_rows
-    h = r % heads
+    h = (r % heads).to(tl.int64)
     t = r // heads
-    s = t % seq
-    b = t // seq
+    s = (t % seq).to(tl.int64)
+    b = (t // seq).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
     mask = rmask[:, None] & (i < HALF)[None, :]
     j1, j2 = _pair_index(i, HALF, COS_MODE)
@@ -191,6 +193,9 @@ def _check_launch(q4, k4, qo4, ko4, cos, sin, rows3, section):
     if rows3 and (cos.shape[0] != 3 or section is None or not 1 <= len(section) <= 3 or
                   2 * sum(section) != cos.shape[-1]):
         problems.append(f"3-row cos {tuple(cos.shape)} with sections {section}")
+    rows = batch * seq * max(q4.shape[1], k4.shape[1])
+    if rows + _INTERPRETER_PAIRS >= 2 ** 31:  # the kernel indexes rows in int32 (offsets in int64)
+        problems.append(f"{rows} rows (tokens x heads) of one tensor reach 2**31")
     if problems:
         raise RopeShapeError("tfcompat triton RoPE: " + "; ".join(problems) + "; nothing was launched (use "
                              "impl='composite', or pass tensors of the layout apply_rope documents)")
@@ -230,8 +235,7 @@ def _plan(q, k, qo, ko, cos, sin, layout, seq_dim, inverse):
     args = (q4, k4, qo4, ko4, cos, sin, seq, hq, hk, q_rows, k_rows, q_programs, sec0, sec1,
             *q4.stride(), *k4.stride(), *qo4.stride(), *ko4.stride(), *trig_strides(cos), *trig_strides(sin))
     meta = dict(D=dim, RD=rd, BLOCK_R=block_r, BLOCK_HALF=block_half,
-                # the tail in chunks of up to two tiles' elements (narrower chunks spilled: 16 columns at rd 20)
-                BLOCK_TAIL=min(max(block_half, 2 * pairs // block_r), triton.next_power_of_2(max(dim - rd, 1))),
+                BLOCK_TAIL=min(block_half, triton.next_power_of_2(max(dim - rd, 1))),
                 IN_PAIRS=int(in_pairs), OUT_PAIRS=int(out_pairs), COS_MODE=layout.cos_mode, ROWS3=rows3,
                 INVERSE=inverse, COPY_TAIL=(dim > rd and qo is not q),
                 UPCAST=q.dtype in (torch.float16, torch.bfloat16), num_warps=_WARPS)
