@@ -500,3 +500,23 @@ def test_triton_first_use_proof_runs_once_per_layout():
     assert len(records) == 2 and all(r["ok"] for r in records), records
     assert rope_triton.proof_launches - before == 2 * 3  # per proof: forward; forward and backward with grads
     clear_cache()
+
+
+@pytest.mark.skipif(not triton_ready(), reason="needs triton in its interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_triton_first_use_proof_under_generation_modes(mode):
+    """generate() runs under no_grad, serving stacks under inference_mode: the proof (which differentiates its
+    slice) passes there, and the call computes what upstream does."""
+    from tfcompat import clear_cache
+    from tfcompat._kernels import table
+
+    clear_cache()
+    config, cos, sin, q, k, _ = _inputs("qwen2", 1, 5, torch.float32, 1, seed=5)
+    oracle = upstream_rope("qwen2", config)
+    with getattr(torch, mode)():
+        got = apply_rope(q, k, cos, sin, config=config, impl="triton")
+        want = oracle(q, k, cos, sin, unsqueeze_dim=1)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOL[torch.float32])
+    assert [r["ok"] for r in table.proven()] == [True]
+    clear_cache()

@@ -119,9 +119,13 @@ def _prove(run, reference):
     start = time.perf_counter()
     record = {"ok": False, "max_abs_diff": float("nan"), "tolerance": None, "seconds": 0.0, "error": None,
               "warned": False}
+    import torch
+
     try:
-        got = run()
-        want = reference()
+        # under inference_mode (generation) or no_grad too: the proof's slices are ordinary tensors with autograd
+        with torch.inference_mode(False), torch.enable_grad():
+            got = run()
+            want = reference()
         record["max_abs_diff"], record["ok"], record["tolerance"] = _compare(got, want, got[0].dtype)
     except Exception as exc:  # a compile or launch error is a failed proof, with its reason
         record["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
