@@ -55,6 +55,7 @@ def torch_varlen_signature():
     return attention_calls.source_signature(path, "varlen_attn")
 
 
+@functools.lru_cache(maxsize=None)
 def torch_varlen_params():
     """The parameter names of the installed torch's ``varlen_attn`` (empty where it is absent)."""
     sig = torch_varlen_signature()
