@@ -18,7 +18,7 @@ import time
 import warnings
 from typing import NamedTuple, Optional
 
-__all__ = ["Impl", "TABLE", "rows", "first_use", "proven", "forget"]
+__all__ = ["Impl", "TABLE", "rows", "first_use", "proven", "proven_still", "remembers", "forget"]
 
 
 class Impl(NamedTuple):
@@ -139,7 +139,25 @@ def proven():
             for (op, name, device, key), rec in list(_PROVEN.items())]
 
 
+def proven_still(slot):
+    """Whether ``slot`` (op, kernel, device, key) is proven now (a caller's fast path may remember it until
+    :func:`forget`, which empties the sets registered with :func:`remembers`)."""
+    record = _PROVEN.get(slot)
+    return bool(record and record["ok"])
+
+
+_FAST: list = []
+
+
+def remembers(fast_set):
+    """Register a caller's set of proven keys, emptied by :func:`forget`."""
+    _FAST.append(fast_set)
+    return fast_set
+
+
 def forget():
     """Drop every proof (tests; ``tfcompat.clear_cache``)."""
     with _LOCK:
         _PROVEN.clear()
+        for fast in _FAST:
+            fast.clear()
