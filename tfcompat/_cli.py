@@ -213,7 +213,7 @@ def _check_device(args):
         results.append(result)
         if not args.json:
             print(_check_line(result, width), flush=True)
-    speeds = _device_checks.speed(device, dtype)
+    speeds = _device_checks.speed(device, dtype, names)
     failed = sum(not r["passed"] for r in results)
     doc = {"schema": SCHEMA, "tfcompat": __version__, "transformers": _dist_version("transformers"),
            "torch": _dist_version("torch"), "device": device, "dtype": dtype, "families": names,
@@ -222,9 +222,10 @@ def _check_device(args):
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
     else:
-        copy = speeds[-1][1]
         for label, ms in speeds:
-            print(f"  speed {label:<16} {ms:9.3f} ms  {ms / copy:5.2f}x the copy")
+            print(f"  speed {label:<16} {ms:9.3f} ms  {ms / speeds[-1][1]:5.2f}x the copy")
+        if not speeds:
+            print("  speed: no checked family has a plain NeoX rotary to time")
         print(f"{len(results) - failed} passed, {failed} failed on {device} {dtype} ({len(names)} families, "
               f"{doc['seconds']:.1f}s)")
     return 0 if failed == 0 else 1

@@ -128,12 +128,24 @@ def _one(name, check, fn, reason, tol, what):
     return result
 
 
-def speed(device, dtype, repeats=20):
+def speed(device, dtype, names, repeats=20):
     """(label, milliseconds) side by side in one run: apply_rope by auto's kernel, upstream's, and a copy of q and
-    k (the bandwidth bound), forward, on a Qwen2.5-7B-shaped row (smaller on the CPU)."""
+    k (the bandwidth bound), forward, on a Qwen2.5-7B-shaped row (smaller on the CPU), for the first of ``names``
+    (else of the installed families) with a plain NeoX rotary (none: an empty list)."""
     import torch
 
+    from . import _resolve
+    from ._families import family
     from .rope import apply_rope
+
+    def plain(n):
+        if family(n).nope:
+            return False
+        plan = _resolve.resolve("rope.apply", n).plan
+        return plan.rotation == "neox" and plan.mrope == "none" and plan.cos_rows == 0
+    name = next((n for n in list(names) + _resolve.installed_families() if plain(n)), None)
+    if name is None:
+        return []
 
     dt = getattr(torch, _DTYPES[dtype])
     cuda = torch.device(device).type == "cuda"
@@ -144,9 +156,9 @@ def speed(device, dtype, repeats=20):
     freqs = pos[:, None] / 10000 ** (torch.arange(0, dim, 2, device=device) / dim)[None]
     emb = torch.cat((freqs, freqs), -1)[None]
     cos, sin = emb.cos().to(dt), emb.sin().to(dt)
-    runs = {f"rope {_backends.select('rope', device)}": lambda: apply_rope(q, k, cos, sin, model_type="qwen2",
+    runs = {f"rope {_backends.select('rope', device)}": lambda: apply_rope(q, k, cos, sin, model_type=name,
                                                                           unsqueeze_dim=2),
-            "rope upstream": lambda: apply_rope(q, k, cos, sin, model_type="qwen2", unsqueeze_dim=2, impl="upstream"),
+            "rope upstream": lambda: apply_rope(q, k, cos, sin, model_type=name, unsqueeze_dim=2, impl="upstream"),
             "copy q, k": lambda: (q.clone(), k.clone())}
     out = []
     for label, fn in runs.items():
