@@ -239,6 +239,9 @@ def _plan(q, k, qo, ko, cos, sin, layout, seq_dim, inverse):
                 IN_PAIRS=int(in_pairs), OUT_PAIRS=int(out_pairs), COS_MODE=layout.cos_mode, ROWS3=rows3,
                 INVERSE=inverse, COPY_TAIL=(dim > rd and qo is not q),
                 UPCAST=q.dtype in (torch.float16, torch.bfloat16), num_warps=_WARPS)
+    if torch.version.hip is None:
+        # the register budget said to ptxas: without it ptxas held some variants at 32 registers and spilled
+        meta["maxnreg"] = _MAX_REGISTERS
     return grid, args, meta
 
 
