@@ -45,16 +45,18 @@ def signature(spec):
 
 _VARLEN_HEAD = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
 
-#: flash-attn 2.7.x and 2.8.x ``flash_attn_varlen_func`` (identical in every release of both lines)
+#: flash-attn 2.7.x and 2.8.x ``flash_attn_varlen_func``: identical in all 20 tags v2.7.0 ... v2.8.3.post1
 FLASH_ATTN_2 = {
-    "releases": ("2.7.0", "2.7.4.post1", "2.8.0", "2.8.3"),
+    "releases": ("2.7.0", "2.7.0.post1", "2.7.0.post2", "2.7.1", "2.7.1.post1", "2.7.1.post2", "2.7.1.post3",
+                 "2.7.1.post4", "2.7.2", "2.7.2.post1", "2.7.3", "2.7.4", "2.7.4.post1", "2.8.0", "2.8.0.post1",
+                 "2.8.0.post2", "2.8.1", "2.8.2", "2.8.3", "2.8.3.post1"),
     "spec": (_VARLEN_HEAD, {"dropout_p": 0.0, "softmax_scale": None, "causal": False, "window_size": (-1, -1),
                             "softcap": 0.0, "alibi_slopes": None, "deterministic": False,
                             "return_attn_probs": False, "block_table": None}, ()),
 }
 #: flash-attn 3 (``flash_attn_interface.flash_attn_varlen_func``): seqused_q where 2.x has dropout_p; not called
 FLASH_ATTN_3 = {
-    "releases": ("3.0.0b1 (hopper/)",),
+    "releases": ("hopper/flash_attn_interface.py at commit 0251105a (2026-08)",),
     "spec": (_VARLEN_HEAD, {"seqused_q": None, "seqused_k": None, "softmax_scale": None, "causal": False, "qv": None,
                             "q_descale": None, "k_descale": None, "v_descale": None, "window_size": (-1, -1),
                             "attention_chunk": 0, "softcap": 0.0, "num_splits": 1, "pack_gqa": None,
