@@ -86,3 +86,19 @@ def test_family_missing_from_this_release_names_the_version():
 def test_config_without_model_type():
     with pytest.raises(UnsupportedTransformersError, match="pass model_type="):
         rope_parameters(object())
+
+
+@pytest.mark.parametrize("how", ["list", "meta"])
+def test_cu_seq_lens_as_a_list_or_on_meta_are_refused_by_name(how):
+    """Boundaries given as a list, or on the meta device, to both cu_seq_lens_q and _k: a PackingError naming
+    the key (they reached a raw `.cpu()` before the type check: AttributeError / NotImplementedError)."""
+    import tfcompat
+    from tfcompat.errors import PackingError
+    from tfcompat.testing import tiny_model
+
+    model = tiny_model("qwen2")
+    tfcompat.patch(model)
+    cu = [0, 3, 8] if how == "list" else torch.tensor([0, 3, 8], device="meta")
+    with pytest.raises(PackingError, match="cu_seq_lens_q is " + ("a list" if how == "list" else "on the meta")):
+        model(input_ids=torch.randint(1, 50, (1, 8)), cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=5,
+              max_length_k=5)

@@ -224,10 +224,6 @@ def find_step(state, group, explicit, position_ids, mask, batch, local, device):
     cu = explicit.get("cu_seq_lens_q")
     if cu is None and explicit.get("cu_seq_lens_k") is not None:
         cu = explicit["cu_seq_lens_k"]
-    if cu is not None and explicit.get("cu_seq_lens_k") is not None and \
-            not torch.equal(explicit["cu_seq_lens_k"].cpu(), cu.cpu()):
-        raise PackingError("tfcompat: cu_seq_lens_q and cu_seq_lens_k differ; packed training attends each "
-                           "sequence to itself, so pass the same boundaries for both")
     for key in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"):
         value = explicit.get(key)
         if value is not None and not isinstance(value, torch.Tensor):
@@ -236,6 +232,10 @@ def find_step(state, group, explicit, position_ids, mask, batch, local, device):
         if value is not None and value.device.type == "meta":
             raise PackingError(f"tfcompat: {key} is on the meta device and holds no values; pass it on the "
                                f"model's device (or the CPU)")
+    if cu is not None and explicit.get("cu_seq_lens_k") is not None and \
+            not torch.equal(explicit["cu_seq_lens_k"].cpu(), cu.cpu()):
+        raise PackingError("tfcompat: cu_seq_lens_q and cu_seq_lens_k differ; packed training attends each "
+                           "sequence to itself, so pass the same boundaries for both")
     source = "cu_seq_lens_q"
     seq_idx = explicit.get("seq_idx")
     if seq_idx is not None:
