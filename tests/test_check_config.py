@@ -68,3 +68,18 @@ def test_a_config_tfcompat_cannot_serve_says_why(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{not json")
     code, doc = _run(capsys, "--config", str(tmp_path / "bad.json"))
     assert code == 2 and "is not a JSON config" in doc["error"]
+
+
+def test_a_config_upstream_itself_cannot_run_says_so(tmp_path, capsys):
+    """A string rope_theta (a hand-edited config.json): upstream's own rotary module raises on it, so there is no
+    oracle; one line naming upstream's failure and exit 2, not "5 failed" with raw errors."""
+    if "qwen2" not in installed():
+        pytest.skip("not in this release")
+    config = json.loads((DATA / "configs" / "Qwen__Qwen2-0.5B-Instruct.json").read_text())
+    config["rope_theta"] = str(config.get("rope_theta", 1000000.0))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code = main(["check", "--config", str(tmp_path)])
+    out = capsys.readouterr()
+    assert code == 2 and out.out == ""
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and "itself cannot run this config" in lines[0] and "TypeError" in lines[0]
