@@ -102,3 +102,27 @@ def test_cu_seq_lens_as_a_list_or_on_meta_are_refused_by_name(how):
     with pytest.raises(PackingError, match="cu_seq_lens_q is " + ("a list" if how == "list" else "on the meta")):
         model(input_ids=torch.randint(1, 50, (1, 8)), cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=5,
               max_length_k=5)
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_vl"])
+def test_one_sequence_cu_beside_restarting_mrope_ids_is_refused(name):
+    """cu_seq_lens = [0, n] beside 3-row mRoPE ids that restart at (0, 0, 0) mid-row: RoPE and attention would
+    disagree about where sequences begin; refused as the same contradiction with 2-D or 4-row ids is (it ran as
+    one sequence). Boundaries that agree with the ids run."""
+    import tfcompat
+    from tfcompat.errors import PackingError
+    from tfcompat.testing import tiny_model
+
+    if name not in installed():
+        pytest.skip("not in this release")
+    model = tiny_model(name)
+    tfcompat.patch(model)
+    ids = torch.randint(1, 50, (1, 8))
+    pos = torch.cat([torch.arange(5), torch.arange(3)])[None].expand(3, 1, 8).clone()
+    one = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(PackingError, match=r"restart at \(0, 0, 0\) at \[0, 5\]"):
+        model(input_ids=ids, position_ids=pos, cu_seq_lens_q=one, cu_seq_lens_k=one, max_length_q=8, max_length_k=8)
+    two = torch.tensor([0, 5, 8], dtype=torch.int32)
+    out = model(input_ids=ids, position_ids=pos, cu_seq_lens_q=two, cu_seq_lens_k=two, max_length_q=5,
+                max_length_k=5)
+    assert out.logits.shape[:2] == (1, 8)

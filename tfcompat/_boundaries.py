@@ -263,6 +263,17 @@ def find_step(state, group, explicit, position_ids, mask, batch, local, device):
         step = make_step(cu.to(device), total, explicit.get("max_length_q"), source, explicit.get("max_length_k"),
                          tail)
         text = text_row(position_ids)
+        if text is None and group is None and position_ids is not None and position_ids.dim() == 3 and \
+                position_ids.shape[0] == 3 and position_ids.shape[1] == 1:
+            # 3-row mRoPE ids: every sequence starts at (0, 0, 0) (text or an image's first patch), and no other
+            # token is there; one read of the row, as for text ids
+            zero = (position_ids[:, 0] == 0).all(dim=0)
+            starts = [int(i) for i in torch.nonzero(zero).flatten().tolist()]
+            if starts and starts[0] == 0 and starts != list(step.bounds[:-1]):
+                raise PackingError(
+                    f"tfcompat: {source} puts sequence starts at {list(step.bounds[:-1])} but the mRoPE position "
+                    f"ids restart at (0, 0, 0) at {starts}; RoPE and attention would disagree about where "
+                    f"sequences begin; pass boundaries and position ids of the same packing")
         if text is not None and group is None:
             starts = starts_of(text[0], None, "position ids")
             if starts != list(step.bounds[:-1]):
