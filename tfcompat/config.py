@@ -103,22 +103,6 @@ def _rope_dict(cfg, key):
     return raw, key
 
 
-def _config_from_dict(raw: dict, model_type: Optional[str]) -> Any:
-    """The installed release's config object for a config dict (what ``from_pretrained`` builds from its JSON)."""
-    name = model_type if model_type is not None else raw.get("model_type")
-    if not isinstance(name, str):
-        raise ConfigError("rope_parameters(dict): the dict has no 'model_type'; pass model_type=... (the family's "
-                          "name), or a transformers config object")
-    from transformers import AutoConfig
-
-    fields = {k: v for k, v in raw.items() if k != "model_type"}
-    try:
-        return AutoConfig.for_model(_family(name).name, **fields)
-    except Exception as exc:
-        raise ConfigError(f"rope_parameters(dict, model_type={name!r}): the config class of the installed "
-                          f"transformers does not take this dict ({type(exc).__name__}: {exc})") from None
-
-
 def rope_parameters(config: Any, *, model_type: Optional[str] = None) -> RopeParameters:
     """The :class:`RopeParameters` of ``config`` (top-level or text config) on the installed release.
 
@@ -127,8 +111,8 @@ def rope_parameters(config: Any, *, model_type: Optional[str] = None) -> RopePar
     >>> rp.rope_theta, rp.mrope_section, rp.rotary_dim
     (10000.0, (4, 6, 6), 32)
     """
-    if isinstance(config, dict):  # a config.json read as a dict: the release's config class reads it, as upstream
-        config = _config_from_dict(config, model_type)
+    if isinstance(config, dict):  # with model_type= too: the refusal that names the fix (AutoConfig.for_model)
+        _family(config)
     fam = _family(model_type if model_type is not None else config)
     cfg = text_config(config)
     resolution = _resolve.resolve("rope.init", fam.name)
