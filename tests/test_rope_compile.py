@@ -48,12 +48,12 @@ def test_rope_kernel_compiles_for_the_gpu_without_spills(arch, tmp_path):
 
 
 def test_the_proof_fails_a_spilling_launch(tmp_path):
-    """The proof sees what it is there for: the tile the launcher used before (4096 pairs a program, sized in the
-    interpreter) spills on sm_90, and the verdict says so."""
+    """The proof sees what it is there for: a launch of 8192 pairs a program (64 a thread; the interpreter's tile
+    is 4096) does not fit the 128-register budget on sm_90 and spills, and the verdict says so."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     code = ("import sys; sys.path.insert(0, 'tools'); import compile_proof as cp; "
-            "from tfcompat._kernels import rope_triton as rt; rt._PAIRS = 4096; "
+            "from tfcompat._kernels import rope_triton as rt; rt._PAIRS = 8192; "
             "rows, limit = cp.prove((90,), only='neox d128 rd128 bfloat16/bfloat16 fwd train'); "
             "print([cp.verdict(r, limit) for r in rows])")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
