@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from _helpers import installed
+from _helpers import BOUNDARY_ONLY, installed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -220,6 +220,7 @@ def test_check_device_plan_names_the_kernels_it_would_prove(capsys):
     assert ("proves itself on first use" in out) == (rope == "triton" or attn != "sdpa")
 
 
+@BOUNDARY_ONLY  # the checks themselves run in every environment through plain `check`
 def test_check_device_runs_the_shared_checks(capsys):
     """--device cpu runs the device path (the one --device cuda runs) here: the same packed == padded check, with
     the same seeds, gives exactly the plain check's number; speed lines side by side; exit 0."""
@@ -237,6 +238,7 @@ def test_check_device_runs_the_shared_checks(capsys):
     assert code == 1 and "FAIL" in out
 
 
+@BOUNDARY_ONLY
 def test_gpu_check_script_runs_and_refuses_without_a_gpu():
     """bench/gpu_check.py, the one prepared GPU script, runs its main (it once ended without calling it: exit 0,
     nothing checked); on a machine without CUDA it says so and exits 2."""
