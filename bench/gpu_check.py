@@ -54,9 +54,9 @@ def main():
         print("[skip] flash-attn is not importable: pip install flash-attn")
     if varlen._backends.torch_ships("nn/attention/varlen.py"):
         # PyTorch's own varlen kernel, as varlen._varlen calls it (causal, and a sliding window of 64)
-        for window in (None, 64):
-            from tfcompat._kernels import attention_calls as calls
+        from tfcompat._kernels import attention_calls as calls
 
+        for window in (None, 64):
             args, kwargs = calls.torch_call(q, k, v, cu, 511, causal=True, scale=64 ** -0.5, window=window,
                                             params=varlen._backends.torch_varlen_params())
             out = varlen._torch_varlen()(*args, **kwargs)

@@ -110,10 +110,16 @@ def select(op: str, device: Any, dtype: Any = None, dropout: bool = False) -> st
     """What ``auto`` runs for ``op`` ("rope", "varlen") on ``device`` with ``dtype``: the available row of the
     kernel table (``_kernels.table``) of highest priority that serves them. A GPU kernel then still proves itself
     on first use (``table.first_use``)."""
+    kind = getattr(device, "type", str(device).split(":")[0])
+    return _select(op, kind, None if dtype is None else str(dtype).replace("torch.", ""), dropout)
+
+
+@functools.lru_cache(maxsize=None)
+def _select(op, kind, dtype, dropout):
+    """``select`` per (op, device kind, dtype name, dropout), decided once (``impl_for`` runs per apply_rope call);
+    what it reads is decided once per process too (``triton_kernels``, ``varlen_unfit``)."""
     from ._kernels import table
 
-    kind = getattr(device, "type", str(device).split(":")[0])
-    dtype = None if dtype is None else str(dtype).replace("torch.", "")
     for row in table.rows(op):
         if not ("*" in row.devices or kind in row.devices) or (row.dtypes and dtype not in row.dtypes):
             continue

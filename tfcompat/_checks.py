@@ -59,19 +59,27 @@ def _fwd_bwd(fn, q, k, gq, gk):
     return oq.detach(), ok.detach(), q.grad, k.grad
 
 
-def _rope_vs_upstream(name, dtype, inplace, config=None):
+def _rope_vs_upstream(name, dtype, inplace, config=None, device=None, impl="native", vs_cpu=False):
+    """apply_rope (``impl``; in place: ``apply_rope_``'s auto) against upstream's own function, forward and
+    backward; on ``device`` (inputs drawn on the CPU and moved); ``vs_cpu``: against upstream in fp32 on the CPU."""
     import torch
 
     from .rope import apply_rope, apply_rope_
 
     config, _, cos, sin, q, k, g = _setup(name, dtype, config=config)
     gq, gk = torch.randn(q.shape, generator=g).to(dtype), torch.randn(k.shape, generator=g).to(dtype)
-    want = _fwd_bwd(lambda a, b: apply_rope(a, b, cos, sin, config=config, impl="upstream"), q, k, gq, gk)
+    on = [t.to(device) for t in (cos, sin, q, k, gq, gk)] if device is not None else [cos, sin, q, k, gq, gk]
     if inplace:
-        got = _fwd_bwd(lambda a, b: apply_rope_(a, b, cos, sin, config=config), q, k, gq, gk)
+        got = _fwd_bwd(lambda a, b: apply_rope_(a, b, on[0], on[1], config=config), *on[2:])
     else:
-        got = _fwd_bwd(lambda a, b: apply_rope(a, b, cos, sin, config=config, impl="native"), q, k, gq, gk)
-    return max((w.float() - h.float()).abs().max().item() for w, h in zip(want, got))
+        got = _fwd_bwd(lambda a, b: apply_rope(a, b, on[0], on[1], config=config, impl=impl), *on[2:])
+    if vs_cpu:  # upstream in fp32 on the CPU, from the same (rounded) inputs
+        c32, s32 = cos.float(), sin.float()
+        want = _fwd_bwd(lambda a, b: apply_rope(a, b, c32, s32, config=config, impl="upstream"),
+                        q.float(), k.float(), gq.float(), gk.float())
+    else:
+        want = _fwd_bwd(lambda a, b: apply_rope(a, b, on[0], on[1], config=config, impl="upstream"), *on[2:])
+    return max((w.float().cpu() - h.float().cpu()).abs().max().item() for w, h in zip(want, got))
 
 
 def _config_vs_rotary(name, config=None):

@@ -63,21 +63,8 @@ def plan(device, dtype):
 def _rope(name, device, dtype, inplace, vs_cpu):
     import torch
 
-    from .rope import apply_rope, apply_rope_
-
-    dt = getattr(torch, _DTYPES[dtype])
-    config, _, cos, sin, q, k, g = _checks._setup(name, dt)
-    gq, gk = torch.randn(q.shape, generator=g).to(dt), torch.randn(k.shape, generator=g).to(dt)
-    on = [t.to(device) for t in (cos, sin, q, k, gq, gk)]
-    fn = apply_rope_ if inplace else apply_rope
-    got = _checks._fwd_bwd(lambda a, b: fn(a, b, on[0], on[1], config=config), *on[2:])
-    if vs_cpu:  # upstream in fp32 on the CPU, from the same (rounded) inputs
-        c32, s32 = cos.float(), sin.float()
-        want = _checks._fwd_bwd(lambda a, b: apply_rope(a, b, c32, s32, config=config, impl="upstream"),
-                                q.float(), k.float(), gq.float(), gk.float())
-    else:
-        want = _checks._fwd_bwd(lambda a, b: apply_rope(a, b, on[0], on[1], config=config, impl="upstream"), *on[2:])
-    return max((w.float().cpu() - h.float().cpu()).abs().max().item() for w, h in zip(want, got))
+    return _checks._rope_vs_upstream(name, getattr(torch, _DTYPES[dtype]), inplace, device=device, impl="auto",
+                                     vs_cpu=vs_cpu)
 
 
 def _varlen(device, dtype):

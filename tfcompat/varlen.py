@@ -191,27 +191,38 @@ def _varlen(q, k, v, cu_seqlens, bounds, max_seqlen, *, causal, softmax_scale, w
     kind = backend(q, dropout_p)
     if kind != "sdpa":
         # no host sync: cu goes to the device as int32 (the kernels' documented dtype), max_seqlen is the Python
-        # int computed once per step; the arguments are built by _kernels.attention_calls, whose tests bind them
-        # against the libraries' real signatures. First use in this process proves the kernel against the SDPA
-        # path on a piece of this call's tensors; a kernel that fails it is not used (one warning).
+        # int computed once per step. First use in this process proves the kernel against the SDPA path on a
+        # piece of this call's tensors (_prove_gpu); after it, one set look-up a call. A kernel that fails the
+        # proof is not used (one warning).
         from ._kernels import attention_calls as calls
 
-        def call(a, b, c, cu, longest, p=dropout_p):
-            if kind == "flash_attn":
-                args, kwargs = calls.flash_call(a, b, c, cu, longest, causal=causal, scale=softmax_scale,
-                                                window=window, dropout_p=p)
-                return _backends.flash_varlen()(*args, **kwargs)
-            args, kwargs = calls.torch_call(a, b, c, cu, longest, causal=causal, scale=softmax_scale, window=window,
-                                            params=_backends.torch_varlen_params())
-            return _torch_varlen()(*args, **kwargs)
-
-        def reference(a, b, c, piece):
-            return _sdpa_fallback(a, b, c, piece, softmax_scale, causal, window, 0.0)
-
-        if calls.proven(kind, lambda a, b, c, cu, longest: call(a, b, c, cu, longest, 0.0), reference, q, k, v,
-                        causal, softmax_scale, window):
-            return call(q, k, v, cu_seqlens.to(device=q.device, dtype=torch.int32), max_seqlen)
+        if calls.passed(kind, q, k, causal, window) or _prove_gpu(kind, q, k, v, causal, softmax_scale, window):
+            return _gpu_call(kind, q, k, v, cu_seqlens.to(device=q.device, dtype=torch.int32), max_seqlen, causal,
+                             softmax_scale, window, dropout_p)
     return _sdpa_fallback(q, k, v, bounds, softmax_scale, causal, window, dropout_p)
+
+
+def _gpu_call(kind, q, k, v, cu, max_seqlen, causal, scale, window, dropout_p):
+    """flash-attn's or torch's varlen kernel, with the arguments _kernels.attention_calls builds (its tests bind them
+    against the libraries' real signatures)."""
+    from ._kernels import attention_calls as calls
+
+    if kind == "flash_attn":
+        args, kwargs = calls.flash_call(q, k, v, cu, max_seqlen, causal=causal, scale=scale, window=window,
+                                        dropout_p=dropout_p)
+        return _backends.flash_varlen()(*args, **kwargs)
+    args, kwargs = calls.torch_call(q, k, v, cu, max_seqlen, causal=causal, scale=scale, window=window,
+                                    params=_backends.torch_varlen_params())
+    return _torch_varlen()(*args, **kwargs)
+
+
+def _prove_gpu(kind, q, k, v, causal, scale, window):
+    """The first-use proof of ``kind`` for this call's layout (``attention_calls.proven``), without dropout."""
+    from ._kernels import attention_calls as calls
+
+    return calls.proven(kind, lambda a, b, c, cu, n: _gpu_call(kind, a, b, c, cu, n, causal, scale, window, 0.0),
+                        lambda a, b, c, piece: _sdpa_fallback(a, b, c, piece, scale, causal, window, 0.0),
+                        q, k, v, causal, scale, window)
 
 
 def _sdpa_fallback(q, k, v, bounds, scale, causal, window, dropout_p):

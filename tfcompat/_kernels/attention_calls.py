@@ -28,7 +28,10 @@ Conventions (each checked by a test against the functions' documented behaviour,
 import inspect
 from typing import Any
 
-__all__ = ["FLASH_ATTN_2", "FLASH_ATTN_3", "TORCH_VARLEN", "signature", "flash_call", "torch_call", "fits"]
+from . import table
+
+__all__ = ["FLASH_ATTN_2", "FLASH_ATTN_3", "TORCH_VARLEN", "signature", "flash_call", "torch_call", "fits",
+           "passed", "proven"]
 
 _P = inspect.Parameter
 
@@ -140,19 +143,27 @@ def fits(fn, kind):
     return ""
 
 
+def _fast(kind, q, k, causal, window):
+    return ("varlen", kind, q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], bool(causal), window)
+
+
+def passed(kind, q, k, causal, window):
+    """Whether this (kernel, device, dtype, heads, head_dim, causal, window) passed its first-use proof: the
+    per-call check, one set look-up."""
+    return table.passed(_fast(kind, q, k, causal, window))
+
+
 def proven(kind, call, reference, q, k, v, causal, scale, window):
     """First use proves a GPU attention kernel (``table.first_use``): for this (kernel, device, dtype, heads,
     head_dim, causal, window), once per process, a piece of the call's own q, k, v (up to 48 tokens as two
     sequences) runs through ``call(q, k, v, cu, max_len)`` and through ``reference(q, k, v, bounds)`` (the exact SDPA
     path, in fp32), forward and backward. False: the caller runs the reference path instead."""
-    fast = (kind, q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], bool(causal), window)
-    if fast in _PASSED:  # proven earlier in this process: one set look-up a call
-        return True
     import torch
 
-    from . import table
-
-    key = (str(q.dtype)[6:],) + fast[3:]
+    fast = _fast(kind, q, k, causal, window)
+    if table.passed(fast):  # proven earlier in this process: one set look-up a call
+        return True
+    key = (str(q.dtype)[6:],) + fast[4:]
     n = min(q.shape[0], 48)
     cut = max(1, n // 3)
     bounds = [0, cut, n] if n > cut else [0, n]
@@ -172,17 +183,4 @@ def proven(kind, call, reference, q, k, v, causal, scale, window):
     def ref():
         return both_ways(lambda a, b, c: reference(a, b, c, bounds), torch.float32)
 
-    ok = table.first_use("varlen", kind, q.device, key, run, ref, explicit=False)
-    if ok and table.proven_still(("varlen", kind, str(q.device), key)):
-        _PASSED.add(fast)
-    return ok
-
-
-def _passed():
-    from . import table
-
-    return table.remembers(set())
-
-
-# the fast path of ``proven``: keys whose proof passed (emptied with the proofs: ``table.forget``)
-_PASSED: set = _passed()
+    return table.first_use("varlen", kind, q.device, key, run, ref, False, fast)

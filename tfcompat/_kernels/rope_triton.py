@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import table
+
 # Sized for the GPU (registers, spills), not for the interpreter: a program rotates _PAIRS pairs (rows of one token
 # and head times the rotary pairs of a row, padded to a power of two) with _WARPS warps, 4 pairs a thread, and
 # copies a partial-rotary tail in chunks of the same size. Triton's compiler, run with no device
@@ -37,6 +39,7 @@ _PAIRS = 512
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _WARPS = 4
 _MAX_REGISTERS = 128
+_NVIDIA = torch.version.hip is None  # maxnreg is an NVIDIA option
 # The interpreter runs programs one after another in Python: there the same rows go in fewer, larger programs (the
 # arithmetic of a row does not depend on how rows are grouped; the tests also run the GPU tile interpreted)
 _INTERPRETER_PAIRS = 4096
@@ -239,7 +242,7 @@ def _plan(q, k, qo, ko, cos, sin, layout, seq_dim, inverse):
                 IN_PAIRS=int(in_pairs), OUT_PAIRS=int(out_pairs), COS_MODE=layout.cos_mode, ROWS3=rows3,
                 INVERSE=inverse, COPY_TAIL=(dim > rd and qo is not q),
                 UPCAST=q.dtype in (torch.float16, torch.bfloat16), num_warps=_WARPS)
-    if torch.version.hip is None:
+    if _NVIDIA:
         # the register budget said to ptxas: without it ptxas held some variants at 32 registers and spilled
         meta["maxnreg"] = _MAX_REGISTERS
     return grid, args, meta
@@ -323,14 +326,13 @@ def proven(q, k, cos, sin, layout, seq_dim, inplace, rotation, gptj_cos, explici
     once per process, a slice of the call's own tensors (one batch row, up to 8 tokens) is rotated forward and
     back by this kernel and by the composite, on the same device. False: ``auto`` falls back to the composite."""
     rows3 = cos.dim() == 4
-    fast = (q.device, q.dtype, cos.dtype, layout.in_pairs, layout.out_pairs, layout.cos_mode, rows3, seq_dim,
+    fast = ("rope", q.device, q.dtype, cos.dtype, layout.in_pairs, layout.out_pairs, layout.cos_mode, rows3, seq_dim,
             q.shape[-1], cos.shape[-1], bool(inplace))
-    if fast in _PASSED:  # proven earlier in this process: one set look-up a call
+    if table.passed(fast):  # proven earlier in this process: one set look-up a call
         return True
     from . import rope as kernels
-    from . import table
 
-    key = (str(q.dtype)[6:], str(cos.dtype)[6:]) + fast[3:]
+    key = (str(q.dtype)[6:], str(cos.dtype)[6:]) + fast[4:]
     n = min(8, q.shape[seq_dim])
 
     def piece():
@@ -368,17 +370,4 @@ def proven(q, k, cos, sin, layout, seq_dim, inplace, rotation, gptj_cos, explici
             return kernels.compact(a, b, c, s, rotation, gptj_cos, 1 if seq_dim == 2 else 2)
         return both_ways(composite, torch.float32)
 
-    ok = table.first_use("rope", "triton", q.device, key, run, reference, explicit)
-    if ok and table.proven_still(("rope", "triton", str(q.device), key)):
-        _PASSED.add(fast)
-    return ok
-
-
-def _passed():
-    from . import table
-
-    return table.remembers(set())
-
-
-# the fast path of ``proven``: keys whose proof passed (emptied with the proofs: ``table.forget``)
-_PASSED: set = _passed()
+    return table.first_use("rope", "triton", q.device, key, run, reference, explicit, fast)

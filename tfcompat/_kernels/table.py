@@ -18,7 +18,7 @@ import time
 import warnings
 from typing import NamedTuple, Optional
 
-__all__ = ["Impl", "TABLE", "rows", "first_use", "proven", "proven_still", "remembers", "forget"]
+__all__ = ["Impl", "TABLE", "rows", "first_use", "passed", "proven", "forget"]
 
 
 class Impl(NamedTuple):
@@ -50,6 +50,8 @@ def rows(op):
 
 # (op, name, device, key) -> {"ok", "max_abs_diff", "tolerance", "seconds", "error", "warned"}
 _PROVEN: dict = {}
+# callers' cheap keys of passed proofs: one set look-up a call once proven
+_PASSED: set = set()
 _LOCK = threading.Lock()
 
 # |got - want| <= tol * max(1, max |want|) per output dtype, want computed in fp32 from the same inputs: a kernel
@@ -76,12 +78,13 @@ def _compare(got, want, dtype):
     return worst, worst <= tol * max(1.0, scale), tol
 
 
-def first_use(op, name, device, key, run, reference, explicit):
+def first_use(op, name, device, key, run, reference, explicit, fast=None):
     """Whether kernel ``name`` may serve ``key`` on ``device``: proven now (first use in this process) or before.
 
     ``run()`` and ``reference()`` return tuples of tensors (outputs and gradients) of the kernel and of the proven
     path on a small slice. ``explicit``: the caller asked for this kernel by name: a failed proof raises a
-    ``TfcompatError`` instead of falling back."""
+    ``TfcompatError`` instead of falling back. ``fast``: the caller's cheap key, remembered when the proof passed
+    (see :func:`passed`)."""
     from ..errors import TfcompatError
 
     slot = (op, name, str(device), key)
@@ -94,6 +97,8 @@ def first_use(op, name, device, key, run, reference, explicit):
             if record is None:
                 record = _PROVEN[slot] = _prove(run, reference)
     if record["ok"]:
+        if fast is not None:
+            _PASSED.add(fast)
         return True
     what = (f"tfcompat: the {name} {op} kernel failed its first-use proof on {device} for {key}: "
             f"{record['error'] or 'max |diff| %.3g against the proven path' % record['max_abs_diff']}")
@@ -139,25 +144,13 @@ def proven():
             for (op, name, device, key), rec in list(_PROVEN.items())]
 
 
-def proven_still(slot):
-    """Whether ``slot`` (op, kernel, device, key) is proven now (a caller's fast path may remember it until
-    :func:`forget`, which empties the sets registered with :func:`remembers`)."""
-    record = _PROVEN.get(slot)
-    return bool(record and record["ok"])
-
-
-_FAST: list = []
-
-
-def remembers(fast_set):
-    """Register a caller's set of proven keys, emptied by :func:`forget`."""
-    _FAST.append(fast_set)
-    return fast_set
+def passed(fast):
+    """The fast path: whether a caller's cheap key (plain tensors' device, dtypes, ints) passed its proof before."""
+    return fast in _PASSED
 
 
 def forget():
     """Drop every proof (tests; ``tfcompat.clear_cache``)."""
     with _LOCK:
         _PROVEN.clear()
-        for fast in _FAST:
-            fast.clear()
+        _PASSED.clear()
