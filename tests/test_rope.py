@@ -520,3 +520,52 @@ def test_triton_first_use_proof_under_generation_modes(mode):
         torch.testing.assert_close(g, w, **TOL[torch.float32])
     assert [r["ok"] for r in table.proven()] == [True]
     clear_cache()
+
+
+def _edge_call(name, edge, g):
+    """q, k, cos, sin of one edge call upstream's function takes or refuses (real cos/sin of the family)."""
+    config, cos, sin, q, k, _ = _inputs(name, 1, 6, torch.float32, 1, seed=11)
+    d = q.shape[-1]
+    if edge == "bf16 q and k, fp32 cos":
+        q, k = q.bfloat16(), k.bfloat16()
+    elif edge == "fp32 q, fp16 k":
+        k = k.half()
+    elif edge == "k wider than cos":
+        k = torch.randn(*k.shape[:-1], d + 2, generator=g)
+    elif edge == "odd head_dim":
+        q, k = (torch.randn(*t.shape[:-1], d + 1, generator=g) for t in (q, k))
+    elif edge == "last stride 2":
+        q, k = (torch.randn(*t.shape[:-1], 2 * d, generator=g)[..., ::2] for t in (q, k))
+    elif edge == "odd slice offset":
+        q, k = (torch.randn(*t.shape[:-1], d + 1, generator=g)[..., 1:] for t in (q, k))
+    return config, q, k, cos, sin
+
+
+EDGES = ["bf16 q and k, fp32 cos", "fp32 q, fp16 k", "k wider than cos", "odd head_dim", "last stride 2",
+         "odd slice offset"]
+
+
+@pytest.mark.parametrize("edge", EDGES)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_rope_edges_equal_upstream_or_refuse(name, edge):
+    """Mixed dtypes (upstream's products promote), q or k wider than cos (a partial-rotary family passes the rest
+    through, a full-rotary one raises), GPT-J pairs a complex view cannot see (odd head_dim or offset, last
+    stride 2): every implementation returns upstream's tensors (dtype, shape, values) or raises
+    RopeShapeError where upstream's own function raises; never a raw error or another dtype."""
+    from tfcompat.errors import RopeShapeError
+
+    config, q, k, cos, sin = _edge_call(name, edge, torch.Generator().manual_seed(2))
+    try:
+        want = upstream_rope(name, config)(q, k, cos, sin)
+    except (RuntimeError, ValueError, IndexError) as exc:
+        want = exc
+    for impl in rope_impls() + ["upstream"]:
+        if isinstance(want, Exception):
+            with pytest.raises(RopeShapeError):
+                apply_rope(q, k, cos, sin, config=config, impl=impl)
+            continue
+        got = apply_rope(q, k, cos, sin, config=config, impl=impl)
+        for label, w, h in zip("qk", want, got):
+            assert (h.dtype, h.shape) == (w.dtype, w.shape), (impl, label)
+            where = f"{name} {edge} {impl} {label}"
+            torch.testing.assert_close(h, w, **TOL[w.dtype], msg=lambda m, where=where: f"{where}: {m}")

@@ -145,7 +145,33 @@ def _check(fam, res, q, k, cos, sin, unsqueeze_dim):
                 f"apply_rope for {fam.name}: cos width {width} must be even and at most {name}'s head_dim "
                 f"{t.shape[-1]}"
             )
+        if width != t.shape[-1] and not _rotates_part(res):
+            raise RopeShapeError(
+                f"apply_rope for {fam.name}: cos width {width} but {name}'s head_dim is {t.shape[-1]}; transformers "
+                f"{ver}'s rotary function for this family rotates the whole head (it raises on this call); pass "
+                f"q and k of the cos width, or the cos/sin the model's own rotary module returned")
     return seq_dim
+
+
+_PARTIAL: dict = {}
+
+
+def _rotates_part(res):
+    """Whether this release's rotary function rotates the first cos-width channels and passes the rest through
+    (GLM's partial rotary) rather than rotating the whole head: asked of the function once, on tiny tensors."""
+    key = (res.source, res.transformers, res.plan)
+    if key not in _PARTIAL:
+        import torch
+
+        q = torch.zeros(1, 1, 2, 8)
+        rows = (3,) if res.plan.cos_rows == 3 else ()
+        cos = torch.zeros(*rows, 1, 2, 4)
+        try:
+            out = _upstream(res, q, q, cos, cos, (2, 0, 0), 1)
+            _PARTIAL[key] = tuple(out[0].shape) == (1, 1, 2, 8)
+        except (RuntimeError, ValueError, IndexError, TypeError):
+            _PARTIAL[key] = False
+    return _PARTIAL[key]
 
 
 def _check_broadcast(fam, res, q, k, cos, sin, unsqueeze_dim):
@@ -264,6 +290,11 @@ def _rotate(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace, 
     if rotation == "deinterleave":
         q, k = kernels.deinterleave(q, inplace), kernels.deinterleave(k, inplace)
         rotation = "neox"
+    if rotation == "gptj" and not (kernels.complex_viewable(q) and kernels.complex_viewable(k)):
+        # pairs a complex view cannot see (an odd head_dim or slice offset, a last stride other than 1): the
+        # composite computes upstream's products on any strides
+        oq, ok = kernels.compact(q, k, cos, sin, rotation, plan.gptj_cos, unsqueeze_dim)
+        return (q.copy_(oq), k.copy_(ok)) if inplace else (oq, ok)
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
     trig = kernels.Trig(cos, sin, rotation, plan.gptj_cos)
@@ -318,6 +349,15 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
                 f"{exc}); pass q and k as (batch, heads, seq, head_dim)") from None
     if chosen == "upstream":
         return _upstream(res, q, k, cos, sin, section, unsqueeze_dim)
+    import torch
+
+    # mixed dtypes: upstream's products promote (bf16 q with fp32 cos gives fp32), so tfcompat rotates in the
+    # promoted dtype; q and k promoted to different dtypes: upstream's own formula
+    if not q.dtype == k.dtype == cos.dtype == sin.dtype:
+        dq = torch.promote_types(torch.promote_types(q.dtype, cos.dtype), sin.dtype)
+        if dq != torch.promote_types(torch.promote_types(k.dtype, cos.dtype), sin.dtype):
+            return _upstream(res, q, k, cos, sin, section, unsqueeze_dim)
+        q, k, cos, sin = q.to(dq), k.to(dq), cos.to(dq), sin.to(dq)
     return _rotate(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace=False, impl=chosen)
 
 

@@ -46,6 +46,11 @@ def _parts(x, rotation, rd):
     return x[..., 0:rd:2], x[..., 1:rd:2]
 
 
+def complex_viewable(x):
+    """Whether adjacent pairs of x's last dim can be viewed as complex numbers (torch.view_as_complex's rule)."""
+    return x.stride(-1) == 1 and x.storage_offset() % 2 == 0 and all(s % 2 == 0 for s in x.stride()[:-1])
+
+
 def _complex_view(x, rd):
     return torch.view_as_complex(x[..., :rd].unflatten(-1, (rd // 2, 2)))
 
