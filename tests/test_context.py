@@ -46,6 +46,7 @@ HAVE = patchable()
 TEXT = [n for n in ("qwen2", "glm4", "qwen3_moe") if n in HAVE and not linear_attention(n)]
 VISION = [n for n in ("qwen2_vl", "qwen3_vl") if n in HAVE]
 PEFT = importlib.util.find_spec("peft") is not None
+SHARD_LAYOUTS = ("ulysses", "context", "2x2")
 PRELOAD_FAMILIES = TEXT + VISION  # imported once in the forkserver (_dist), not in every rank
 
 
@@ -305,6 +306,73 @@ def _explicit_boundaries_worker(rank, world):
                 model(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, max_length_q=longest, max_length_k=7)
 
 
+def _layout(how):
+    """The sequence groups of a layout over the 4 ranks: (patch kwargs, slice/gather kwargs)."""
+    if how == "2x2":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "sp"))
+        sp, cp = mesh["sp"].get_group(), mesh["cp"].get_group()
+        return dict(ulysses_group=sp, context_group=cp), dict(group=sp, context_group=cp)
+    if how == "ulysses":
+        return dict(ulysses_group=dist.group.WORLD), dict(group=dist.group.WORLD)
+    return dict(context_group=dist.group.WORLD), dict(context_group=dist.group.WORLD)
+
+
+def _shard_boundaries_worker(rank, world, name, how):
+    """What DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False) gives, sliced:
+    each rank's ids beside the whole row's cu_seq_lens_q/k and max_length_q/k, no position ids. The positions
+    count from 0 in every sequence of the whole row (not of the slice): logits and summed gradients equal the
+    unpatched padded batch (they were 1.3e-2..1.9e-2 and 0.36..1.6 off); VL families through the top model."""
+    rows = _rows(name)
+    ids, mask = padded(rows)
+    pk = pack(ids, mask)
+    total, cu, longest = pk.input_ids.shape[1], pk.cu_seqlens, pk.max_seqlen
+    weights = torch.randn(*ids.shape, 256, generator=torch.Generator().manual_seed(3))
+    ref = tiny_model(name, num_key_value_heads=2)
+    ref.train()
+    want = ref(input_ids=ids, attention_mask=mask).logits
+    (want * weights * mask[..., None]).sum().backward()
+    model = tiny_model(name, num_key_value_heads=2)
+    patch_kw, split = _layout(how)
+    tfcompat.patch(model, **patch_kw)
+    model.train()
+    local_ids = slice_for_rank(pk.input_ids, dim=1, **split)
+    local = model(input_ids=local_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
+                  max_length_k=longest).logits
+    got = unpack(gather_from_ranks(local, dim=1, length=total, **split), pk)
+    (got * weights * mask[..., None]).sum().backward()
+    valid = mask.bool()
+    close_to_model(got.detach()[valid], want.detach()[valid], f"rank {rank} logits")
+    _summed_grads_close(model, ref, rank)
+    with torch.no_grad():
+        wrong = slice_for_rank(pk.position_ids + 1, dim=1, **split)  # every rank holds a sequence's token
+        with pytest.raises(PackingError, match="do not count from 0 in every sequence"):
+            model(input_ids=local_ids, position_ids=wrong, cu_seq_lens_q=cu)
+        with pytest.raises(PackingError, match="seq_idx on a sequence-parallel shard"):
+            model(input_ids=local_ids, seq_idx=torch.zeros_like(local_ids), cu_seq_lens_q=cu)
+        with pytest.raises(PackingError, match=f"ends at {int(cu[-2])} tokens"):  # the last sequence dropped
+            model(input_ids=local_ids, cu_seq_lens_q=cu[:-1])
+
+
+def _vl_shard_refusals_worker(rank, world, name):
+    """The top VL model called with this rank's slice of the ids: beside the whole batch's pixels (transformers'
+    raw "Image features and image tokens do not match"), or with neither positions nor boundaries (upstream would
+    count the mRoPE positions from the slice's first token): refused on every rank, naming what to pass."""
+    pk, kw, _, _, _ = _packed_reference(name)
+    model = tiny_model(name)
+    tfcompat.patch(model, context_group=dist.group.WORLD)
+    split = dict(context_group=dist.group.WORLD)
+    ids = slice_for_rank(pk.input_ids, dim=1, **split)
+    pos = slice_for_rank(pk.position_ids, dim=pk.position_ids.dim() - 1, **split)
+    pixels = {k: v for k, v in kw.items() if k != "mm_token_type_ids"}
+    with torch.no_grad():
+        with pytest.raises(UlyssesError, match="slice_inputs=True"):
+            model(input_ids=ids, position_ids=pos, **pixels)
+        with pytest.raises(UlyssesError, match="with no position ids"):
+            model(input_ids=ids)
+
+
 def _refusals_worker(rank, world):
     model = tiny_model("qwen2")
     tfcompat.patch(model, context_group=dist.group.WORLD)
@@ -337,6 +405,13 @@ def _cases(rank, world):
         cases.append((f"generate:{name}", functools.partial(generate_on_this_rank, name, rank,
                                                             dict(context_group=dist.group.WORLD))))
     cases.append(("explicit_boundaries", functools.partial(_explicit_boundaries_worker, rank, world)))
+    for name in [n for n in ("qwen2", "qwen2_vl") if n in HAVE]:
+        for how in SHARD_LAYOUTS:
+            cases.append((f"shard_cu:{name}:{how}",
+                          functools.partial(_shard_boundaries_worker, rank, world, name, how)))
+        if SPECS[name].vision:
+            cases.append((f"vl_shard_refusals:{name}", functools.partial(_vl_shard_refusals_worker, rank, world,
+                                                                         name)))
     cases.append(("refusals", functools.partial(_refusals_worker, rank, world)))
     return run_cases(rank, cases)
 
@@ -396,6 +471,20 @@ def test_generate_with_the_policy_being_trained(outcomes, name):
 
 def test_explicit_boundaries_beside_the_slices(outcomes):
     assert_ok(outcomes, "explicit_boundaries")
+
+
+@pytest.mark.parametrize("how", SHARD_LAYOUTS)
+@pytest.mark.parametrize("name", ["qwen2", "qwen2_vl"])
+def test_shards_with_the_whole_rows_boundaries_and_no_positions(outcomes, name, how):
+    if name not in HAVE:
+        pytest.skip("not in this release")
+    assert_ok(outcomes, f"shard_cu:{name}:{how}")
+
+
+def test_vl_slices_with_pixels_or_without_positions_are_refused(outcomes):
+    if "qwen2_vl" not in HAVE:
+        pytest.skip("not in this release")
+    assert_ok(outcomes, "vl_shard_refusals:qwen2_vl")
 
 
 def test_refusals(outcomes):

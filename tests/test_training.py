@@ -5,6 +5,7 @@ Oracle: the unpatched model on the padded batch, without checkpointing.
 """
 
 import copy
+import inspect
 import io
 import pickle
 
@@ -13,6 +14,7 @@ import torch
 
 import tfcompat
 from tfcompat._families import FAMILIES as SPECS
+from tfcompat.errors import PackingError
 from tfcompat.packing import pack, unpack
 
 from _helpers import (
@@ -226,6 +228,73 @@ def test_recomputation_in_another_thread_sees_the_boundaries(name, how):
     if errors:
         raise errors[0]
     _close_all(_grads(model), want_grads, f"{name}/{how} grad, backward in another thread")
+
+
+@pytest.mark.parametrize("thread", ["same", "other"])
+@pytest.mark.parametrize("name", FAMILIES[:2] + VISION[:1])
+def test_checkpoint_around_the_whole_text_model_carries_the_boundaries(name, thread):
+    """``checkpoint_wrapper(model.model)`` (non-reentrant) with the boundaries given to the top-level call as
+    the flattening collator's keyword arguments (no position ids): the recomputation replays the wrapped
+    module's call in backward, outside the top-level call, and still sees them (it was torch's raw
+    CheckpointError); backward in this thread or another one (a GPU's autograd thread): the oracle's numbers."""
+    import threading
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    model, (ids, mask, pixels, weights), (want, want_grads) = _patched_text_case(name)
+    model.model = checkpoint_wrapper(model.model, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    pk = pack(ids, mask)
+    out = model(input_ids=pk.input_ids, cu_seq_lens_q=pk.cu_seqlens, cu_seq_lens_k=pk.cu_seqlens,
+                max_length_q=pk.max_seqlen, max_length_k=pk.max_seqlen)
+    logits = unpack(out.logits, pk)
+    loss = (logits * weights * mask[..., None]).sum()
+    if thread == "same":
+        loss.backward()
+    else:
+        worker = threading.Thread(target=loss.backward)
+        worker.start()
+        worker.join(timeout=120)
+    valid = mask.bool()
+    close_to_model(logits[valid].detach(), want[valid], f"{name} logits")
+    _close_all(_grads(model), want_grads, f"{name} grad, checkpoint around the text model")
+
+
+@pytest.mark.parametrize("source", ["position_ids", "cu_seq_lens"])
+@pytest.mark.parametrize("name", FAMILIES[:2] + VISION[:1])
+def test_packed_row_with_labels_gives_the_padded_loss(name, source):
+    """labels on a packed row (the row's own ids, no -100 at the sequence starts): upstream's shift would make
+    each sequence's last token predict the next one's first; the loss and gradients are the padded batch's.
+    With num_items_in_batch: equal where the labels mark the starts -100 (DataCollatorWithFlattening's), a
+    PackingError where the count would include the cross-boundary targets."""
+    ids, mask, _ = _batch(name, False)
+    ref = tiny_model(name)
+    ref.train()
+    labels = torch.where(mask.bool(), ids, -100)
+    want = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    want.loss.backward()
+    count = torch.tensor(int((labels[:, 1:] != -100).sum()))
+    model = tiny_model(name)
+    tfcompat.patch(model)
+    model.train()
+    pk = pack(ids, mask)
+    where = dict(position_ids=pk.position_ids) if source == "position_ids" else dict(
+        cu_seq_lens_q=pk.cu_seqlens, cu_seq_lens_k=pk.cu_seqlens, max_length_q=pk.max_seqlen,
+        max_length_k=pk.max_seqlen)
+    got = model(input_ids=pk.input_ids, labels=pk.input_ids, **where)
+    got.loss.backward()
+    close_to_model(got.loss.detach(), want.loss.detach(), f"{name} loss")
+    _close_all(_grads(model), _grads(ref), f"{name} grad, packed labels")
+    starts = pk.cu_seqlens[1:-1].long()
+    marked = pk.input_ids.index_fill(1, starts, -100)
+    if "num_items_in_batch" not in inspect.signature(type(ref).forward).parameters and not any(
+            p.kind is p.VAR_KEYWORD for p in inspect.signature(type(ref).forward).parameters.values()):
+        return  # this release's forward takes no num_items_in_batch (4.51-4.52 VL models)
+    with torch.no_grad():
+        counted = model(input_ids=pk.input_ids, labels=marked, num_items_in_batch=count, **where).loss
+        close_to_model(counted, ref(input_ids=ids, attention_mask=mask, labels=labels,
+                                    num_items_in_batch=count).loss, f"{name} loss with num_items_in_batch")
+        with pytest.raises(PackingError, match="num_items_in_batch counted those targets"):
+            model(input_ids=pk.input_ids, labels=pk.input_ids, num_items_in_batch=count, **where)
 
 
 @BOUNDARY_ONLY

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from . import _families
 from . import packing as _packing
 from .errors import PackingError, UlyssesError
 
@@ -71,7 +72,7 @@ def mask_valid(mask, n):
     """Bool (n,) of real tokens from a 2-D mask of one row, or None when every token is real."""
     if mask is None:
         return None
-    if mask.dim() != 2 or mask.shape[-1] != n:
+    if not hasattr(mask, "dim") or mask.dim() != 2 or mask.shape[-1] != n:
         return "other"
     valid = mask[0].bool()
     return None if bool(valid.all()) else valid
@@ -171,10 +172,15 @@ def slice_whole_row(module, state, a, explicit):
 
 
 def check_position_shape(family, position_ids, batch, local):
-    """Position ids as upstream's rotary module reads them: (batch or 1, seq), or (3 or 4, batch or 1, seq)."""
+    """Position ids as upstream's rotary module reads them: (batch or 1, seq), or (3 or 4, batch or 1, seq); an
+    mRoPE family's rotary module broadcasts (1, batch, seq) to its three rows (5.3+ generate() continuing from
+    past_key_values passes those). The ids as the boundaries are read from: (1, b, n) broadcast to (3, b, n)."""
     if position_ids is None or not hasattr(position_ids, "dim"):
-        return
+        return position_ids
     shape = tuple(position_ids.shape)
+    if len(shape) == 3 and shape[0] == 1 and _families.FAMILIES[family].mrope != "none" and \
+            shape[1] in (1, batch) and shape[-1] == local:
+        return position_ids.expand(3, -1, -1)
     ok = (len(shape) == 2 and shape[0] in (1, batch)) or (len(shape) == 3 and shape[0] in (3, 4) and
                                                          shape[1] in (1, batch))
     if not ok or shape[-1] != local:  # float ids are fine: upstream's own get_rope_index returns them (omni)
@@ -183,6 +189,7 @@ def check_position_shape(family, position_ids, batch, local):
             f"and {local} tokens; expected ids of shape ({batch}, {local}), or (3, {batch}, {local}) / "
             f"(4, {batch}, {local}) for mRoPE (text row first in 4-row ids); a (4, {local}) tensor lacks the batch "
             f"dimension: position_ids[:, None]")
+    return position_ids
 
 
 def text_row(position_ids):
@@ -215,6 +222,72 @@ def cu_from_seq_idx(seq_idx, batch, local):
                       torch.tensor([local], dtype=torch.int64)))
 
 
+def check_explicit_types(explicit):
+    """The flattening collator's tensors are tensors with values (a list or a meta tensor: one clear error)."""
+    import torch
+
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"):
+        value = explicit.get(key)
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise PackingError(f"tfcompat: {key} is a {type(value).__name__}; pass a 1-D integer tensor as "
+                               f"transformers' DataCollatorWithFlattening returns it")
+        if value is not None and value.device.type == "meta":
+            raise PackingError(f"tfcompat: {key} is on the meta device and holds no values; pass it on the "
+                               f"model's device (or the CPU)")
+
+
+def explicit_cu(explicit):
+    """The whole row's boundaries the call names (cu_seq_lens_q, else _k, else tfcompat.packing.packed), or None."""
+    check_explicit_types(explicit)
+    cu = explicit.get("cu_seq_lens_q")
+    if cu is None:
+        cu = explicit.get("cu_seq_lens_k")
+    if cu is None and _packing.current() is not None:
+        cu = _packing.current()[0]
+    return cu
+
+
+def shard_positions(state, explicit, position_ids, local, device, rows=2):
+    """A sequence-parallel shard (this rank's slice of one packed row) with the whole row's boundaries: the
+    slice of the positions counted from 0 in every sequence of them (the flattening collator's
+    ``return_position_ids=False`` output, sliced), in ``rows`` rows (2: ``(1, local)``, 3: mRoPE's ``(3, 1,
+    local)``); given positions are checked against them instead. The positions as the call should have them
+    (None when the call names no boundaries)."""
+    import torch
+
+    from .ulysses import slice_for_rank
+
+    cu = explicit_cu(explicit)
+    if cu is None:
+        return position_ids
+    if explicit.get("seq_idx") is not None:
+        raise PackingError(f"tfcompat {state.family}: seq_idx on a sequence-parallel shard: this rank's slice of it "
+                           f"cannot say where the whole row's sequences begin; pass the whole row's "
+                           f"cu_seq_lens_q/cu_seq_lens_k (or this rank's slice of its position ids) instead")
+    if cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point:
+        return position_ids  # make_step names what is wrong with it
+    split = state.split()
+    n = int(cu[-1])
+    index = slice_for_rank(torch.arange(n, device=device)[None], dim=1, pad_value=-1, **split)
+    if index.shape[-1] != local:
+        raise PackingError(f"tfcompat {state.family}: cu_seq_lens_q ends at {n} tokens: that row, sliced over the "
+                           f"sequence-parallel ranks (tfcompat.ulysses.slice_for_rank), gives {index.shape[-1]} "
+                           f"tokens per rank, but this rank holds {local}; pass the boundaries of the row you "
+                           f"sliced")
+    want = slice_for_rank(positions_of(cu, n, device), dim=1, **split)
+    if position_ids is None:
+        return want if rows == 2 else want[None].expand(3, 1, local)
+    text = text_row(position_ids)
+    real = index[0] >= 0
+    if text is not None and not torch.equal(text[0][real].to(want.dtype), want[0][real]):
+        raise PackingError(f"tfcompat {state.family}: this rank's position ids do not count from 0 in every "
+                           f"sequence of cu_seq_lens_q {cu.tolist()} (its slice of them is {want[0].tolist()}, "
+                           f"given {text[0].tolist()}); RoPE and attention would disagree about where sequences "
+                           f"begin; slice the positions of the same packing, or pass none (tfcompat builds them "
+                           f"from cu_seq_lens_q)")
+    return position_ids
+
+
 def find_step(state, group, explicit, position_ids, mask, batch, local, device):
     """The step's boundaries, or None for an input that is not packed (and no Ulysses group)."""
     import torch
@@ -224,14 +297,7 @@ def find_step(state, group, explicit, position_ids, mask, batch, local, device):
     cu = explicit.get("cu_seq_lens_q")
     if cu is None and explicit.get("cu_seq_lens_k") is not None:
         cu = explicit["cu_seq_lens_k"]
-    for key in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"):
-        value = explicit.get(key)
-        if value is not None and not isinstance(value, torch.Tensor):
-            raise PackingError(f"tfcompat: {key} is a {type(value).__name__}; pass a 1-D integer tensor as "
-                               f"transformers' DataCollatorWithFlattening returns it")
-        if value is not None and value.device.type == "meta":
-            raise PackingError(f"tfcompat: {key} is on the meta device and holds no values; pass it on the "
-                               f"model's device (or the CPU)")
+    check_explicit_types(explicit)
     if cu is not None and explicit.get("cu_seq_lens_k") is not None and \
             not torch.equal(explicit["cu_seq_lens_k"].cpu(), cu.cpu()):
         raise PackingError("tfcompat: cu_seq_lens_q and cu_seq_lens_k differ; packed training attends each "
@@ -249,6 +315,10 @@ def find_step(state, group, explicit, position_ids, mask, batch, local, device):
         cu, max_len = _packing.current()
         source = "packing.packed(cu)"
         explicit = {"max_length_q": max_len}
+    if isinstance(mask, dict):
+        # generate() with a static cache or a compiled step builds one mask per layer type (transformers 4.54+
+        # for configs with layer_types): each says itself what attends to what, like a 4-D mask
+        mask = next((m for m in mask.values() if m is not None), None)
     valid = mask_valid(mask, local)
     if cu is not None:
         if batch != 1:
@@ -355,6 +425,22 @@ def find_step(state, group, explicit, position_ids, mask, batch, local, device):
     return Step(cu, tuple(bounds), max(b - a for a, b in zip(bounds[:-1], bounds[1:])), total)
 
 
+def label_starts(kwargs, n):
+    """Sequence starts after the first (Python ints) of a packed row of ``n`` tokens, as the top-level call names
+    them (the flattening collator's boundaries, tfcompat.packing.packed, or the text row of the positions); []
+    for a row that is not packed or whose boundaries the text model will refuse."""
+    import torch
+
+    cu = explicit_cu(kwargs)
+    if isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.numel() >= 2:
+        return [int(x) for x in cu.tolist()[1:-1] if 0 < int(x) < n]
+    text = text_row(kwargs.get("position_ids"))
+    if text is None or text.shape != (1, n) or mask_valid(kwargs.get("attention_mask"), n) is not None:
+        return []
+    t = text[0]
+    return (torch.nonzero(t[1:] == 0).flatten() + 1).tolist()
+
+
 def check_vision_in_packed_row(owner, family, a, explicit):
     """A packed row with images or videos (one host sync per step): its sequence starts must not fall inside
     a run of placeholder tokens, and 2-D (text) position ids would give the vision tokens text positions."""
@@ -372,6 +458,15 @@ def check_vision_in_packed_row(owner, family, a, explicit):
     if isinstance(cu, torch.Tensor) and cu.device.type != "meta" and cu.dim() == 1:
         starts = [int(x) for x in cu.tolist()[1:-1]]
     elif text is not None:
+        valid = mask_valid(a.get("attention_mask"), ids.shape[-1])
+        if isinstance(valid, str):
+            return  # a 4-D mask (or a cache's longer one) says itself what attends: upstream's own path
+        if valid is not None:  # one prompt with padding (generate(), assisted decoding): not a packed row
+            if len(starts_of(text[0], valid, "position ids")) > 1:
+                raise PackingError(f"tfcompat {family}: the position ids restart at 0 (a packed row) but "
+                                   f"attention_mask has padding in the row; drop the padding "
+                                   f"(tfcompat.packing.pack does) or pass no mask")
+            return
         starts = starts_of(text[0], None, "position ids")[1:]
     else:
         return

@@ -13,6 +13,8 @@ from ._install import (
     _arguments,
     _Carried,
     _original,
+    _recalled_explicit,
+    _remember_explicit,
     _Scope,
     _scoped,
     _signature,
@@ -39,7 +41,12 @@ def _text_model_forward(self, *args, **kwargs):
     ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
     if ref is None:
         return _original(self, state, *args, **kwargs)
-    _boundaries.check_position_shape(state.family, a.get("position_ids"), ref.shape[0], ref.shape[1])
+    if explicit and scope is not None and torch.is_grad_enabled():
+        _remember_explicit(ref, explicit)
+    elif not explicit and scope is None and (found := _recalled_explicit(ref)) is not None:
+        with _Scope(("explicit", found)):  # a checkpoint's recomputation of this call: the same boundaries
+            return _text_model_forward(self, *args, **kwargs)
+    seen = _boundaries.check_position_shape(state.family, a.get("position_ids"), ref.shape[0], ref.shape[1])
     if (state.split() or state.group_lost) and not explicit and (
             any(a.get(n) is not None for n in _CACHE_NAMES) or
             (a.get("cache_position") is not None and a.get("use_cache") is not False)):
@@ -47,8 +54,8 @@ def _text_model_forward(self, *args, **kwargs):
         # KV cache, as the unpatched model does; nothing is split (a training slice carries no cache). 5.0-5.2
         # prefill with no cache yet, which the text model creates: cache_position marks that call. A packed row
         # cannot be decoded so (its sequences would share the cache): refused, as without a group
-        if _boundaries.find_step(state, None, {}, a.get("position_ids"), a.get("attention_mask"), ref.shape[0],
-                                 ref.shape[1], ref.device) is not None:
+        if _boundaries.find_step(state, None, {}, seen, a.get("attention_mask"), ref.shape[0], ref.shape[1],
+                                 ref.device) is not None:
             raise UlyssesError(f"tfcompat {state.family}: a packed row (or a sequence-parallel slice of one) was "
                                f"passed with a KV cache or cache_position; pass use_cache=False and no "
                                f"past_key_values for training, or unpack the row for generation")
@@ -62,8 +69,11 @@ def _text_model_forward(self, *args, **kwargs):
     else:
         for g in split.values():
             _boundaries.check_ulysses_lengths(ref.shape[1], ref.shape[0], g, state, ref, a.get("position_ids"))
-    position_ids = a.get("position_ids")
+        if split:  # this rank's slice beside the whole row's boundaries: its positions come from them
+            a["position_ids"] = _boundaries.shard_positions(state, explicit, a.get("position_ids"), ref.shape[1],
+                                                            ref.device)
     batch, local = ref.shape[0], ref.shape[1]
+    position_ids = _boundaries.check_position_shape(state.family, a.get("position_ids"), batch, local)
     changed = {}
     mask = a.get("attention_mask")
     if getattr(mask, "dim", lambda: 0)() == 2 and mask.shape[-1] != local and \
@@ -121,13 +131,42 @@ def _top_forward(self, *args, **kwargs):
     ``cu_seq_lens_q`` (the text row's would collide there)."""
     state = getattr(self, _ATTR)
     _refuse_whole_row_labels(state, kwargs)
+    _packed_labels(state, kwargs)
     return _with_explicit(lambda *a, **k: _original(self, state, *a, **k), args, kwargs)
 
 
 def _vl_top_forward(self, *args, **kwargs):
     """Both: the model patch() was given also owns the vision tower (4.51 ForConditionalGeneration)."""
     _refuse_whole_row_labels(getattr(self, _ATTR), kwargs)
+    _packed_labels(getattr(self, _ATTR), kwargs)
     return _with_explicit(lambda *a, **k: _vl_forward(self, *a, **k), args, kwargs)
+
+
+def _packed_labels(state, kwargs):
+    """``labels`` of a packed row: upstream's shift makes each sequence's last token predict the next sequence's
+    first, a target the padded batch does not have. Those targets are dropped (-100, out of place), as
+    DataCollatorWithFlattening does; with ``num_items_in_batch`` (the Trainer's count of targets, taken from
+    the same labels) the count would include them too: refused. One host sync per step with labels."""
+    import torch
+
+    labels = kwargs.get("labels")
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 2 or labels.shape[0] != 1 or state.split():
+        return
+    starts = _boundaries.label_starts(kwargs, labels.shape[1])
+    if not starts:
+        return
+    index = torch.tensor(starts, dtype=torch.long, device=labels.device)
+    crossing = labels.index_select(1, index) != -100
+    if not bool(crossing.any()):
+        return
+    if kwargs.get("num_items_in_batch") is not None:
+        raise PackingError(
+            f"tfcompat {state.family}: labels of a packed row hold targets at sequence starts "
+            f"{[s for s, c in zip(starts, crossing[0].tolist()) if c]}: upstream's shift would make each "
+            f"sequence's last token predict the next sequence's first, and num_items_in_batch counted those "
+            f"targets; set labels to -100 at every sequence start before counting (DataCollatorWithFlattening "
+            f"does), or pass no num_items_in_batch (tfcompat then drops those targets)")
+    kwargs["labels"] = labels.index_fill(1, index, -100)
 
 
 def _refuse_whole_row_labels(state, kwargs):
@@ -162,7 +201,18 @@ def _vl_forward(self, *args, **kwargs):
     a = _arguments(self, args, kwargs)
     if a is None:
         return _original(self, state, *args, **kwargs)  # upstream says what is wrong with the call
+    scope = _scoped()
+    ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
+    if scope is not None and scope[0] == "explicit" and torch.is_grad_enabled():
+        _remember_explicit(ref, scope[1])
+    elif scope is None and (found := _recalled_explicit(ref)) is not None:
+        with _Scope(("explicit", found)):  # a checkpoint's recomputation of this call: the same boundaries
+            return _vl_forward(self, *args, **kwargs)
     pixels = a.get("pixel_values") is not None or a.get("pixel_values_videos") is not None
+    if state.split() and not state.slice_inputs:
+        args, kwargs = (), _vl_shard(self, state, a, pixels)
+    elif not pixels and a.get("position_ids") is None and _row_positions(state, a) is not None:
+        args, kwargs = (), a
     if pixels and a.get("input_ids") is not None and a["input_ids"].shape[0] == 1 and \
             (not state.split() or state.slice_inputs):  # this rank holds the whole row
         scope = _scoped()
@@ -192,6 +242,47 @@ def _vl_forward(self, *args, **kwargs):
         return _original(self, state, *args, **kwargs)
     finally:
         hook.remove()
+
+
+def _row_positions(state, a):
+    """A whole text-only VL row with boundaries (cu_seq_lens_q/k, tfcompat.packing.packed) and no position ids:
+    upstream would count the mRoPE positions over the row as one sequence; they count from 0 in every sequence
+    of the boundaries instead (3 equal rows, as for text tokens), set in ``a``. None where nothing is set."""
+    scope = _scoped()
+    explicit = scope[1] if scope is not None and scope[0] == "explicit" else {}
+    ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
+    cu = _boundaries.explicit_cu(explicit)
+    if ref is None or cu is None or ref.shape[0] != 1 or cu.dim() != 1 or cu.numel() < 2 or \
+            cu.dtype.is_floating_point or int(cu[-1]) != ref.shape[1]:
+        return None  # not a whole packed row: the text model names what is wrong, if anything
+    a["position_ids"] = _boundaries.positions_of(cu, ref.shape[1], ref.device)[None].expand(3, 1, -1)
+    return a["position_ids"]
+
+
+def _vl_shard(self, state, a, pixels):
+    """This rank's slice of a VL row under a sequence-parallel group (the model was not told to slice): the
+    vision tower cannot serve a slice, and upstream would count the mRoPE positions from the slice's first
+    token; the positions come from the whole row's boundaries, or the call is refused."""
+    if pixels:
+        raise UlyssesError(
+            f"tfcompat {state.family}: pixel values beside this rank's slice of the row under ulysses_group/"
+            f"context_group: the vision tower's features cannot be matched to the image tokens of one slice; patch "
+            f"with tfcompat.patch(model, ..., slice_inputs=True) and pass the whole row (ids, positions, pixels) on "
+            f"every rank, or embed the whole row (tfcompat.embeds.get_input_embeds) and pass this rank's share to "
+            f"the text model (tfcompat.ulysses.slice_inputs)")
+    if a.get("position_ids") is None:
+        scope = _scoped()
+        explicit = scope[1] if scope is not None and scope[0] == "explicit" else {}
+        ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
+        if ref is not None:
+            a["position_ids"] = _boundaries.shard_positions(state, explicit, None, ref.shape[1], ref.device, rows=3)
+        if ref is not None and a["position_ids"] is None:
+            raise UlyssesError(
+                f"tfcompat {state.family}: this rank's slice of the row with no position ids: upstream would count "
+                f"the mRoPE positions from the slice's first token; pass the whole row's positions "
+                f"(tfcompat.embeds.rope_index, tfcompat.packing.pack) sliced with tfcompat.ulysses.slice_for_rank, "
+                f"or the whole row's cu_seq_lens_q, or patch with slice_inputs=True and pass the whole row")
+    return a
 
 
 def _rotary_forward(self, *args, **kwargs):

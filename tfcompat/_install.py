@@ -130,6 +130,30 @@ class _Scope:
         _scope.stack.pop()
 
 
+_CALLS = None
+
+
+def _remember_explicit(ref, explicit):
+    """The boundaries a top-level call handed (through the scope) to the module whose input is ``ref``: kept,
+    weakly keyed by that input, for a checkpoint wrapper around the module (``checkpoint_wrapper(model.model)``)
+    whose recomputation replays the module's call in backward, outside the top-level call."""
+    global _CALLS
+    if _CALLS is None:
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        _CALLS = WeakIdKeyDictionary()
+    _CALLS[ref] = explicit
+
+
+def _recalled_explicit(ref):
+    """The boundaries of the forward call being recomputed in backward with this same input, or None."""
+    import torch
+
+    if _CALLS is None or ref is None or torch._C._current_graph_task_id() == -1:
+        return None
+    return _CALLS.get(ref)
+
+
 # ----------------------------------------------------------------------------------- helpers
 def _original(module, state, *args, **kwargs):
     if state.saved_forward is not None:

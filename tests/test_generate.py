@@ -1,0 +1,120 @@
+"""generate() on patched models along upstream's own generation paths, as transformers' GenerationTesterMixin
+drives them: left and right padding, static and sliding-window caches, a compiled decoding step, continuation
+from returned ``past_key_values``, assisted and prompt-lookup decoding, beam search; text and VL families (an
+image in the prompt). RL rollouts and agent loops run these with the policy that trains packed.
+
+Oracle: the unpatched model's own generate() on the same call (tokens and, where returned, logits). Where the
+installed release's unpatched model cannot run a path, the case is skipped saying so.
+"""
+
+import pytest
+import torch
+
+import tfcompat
+from tfcompat._families import FAMILIES as SPECS
+
+from _helpers import patchable
+from _models import forward_kwargs, tiny_model, tiny_pixels, tiny_sequence
+
+HAVE = patchable()
+# Qwen2 (sliding-window settings), Qwen3 (layer_types: one mask per layer type under a static cache), the mRoPE
+# layouts: contiguous (Qwen2-VL, GLM-4V) and interleaved with deepstack (Qwen3-VL)
+NAMES = [n for n in ("qwen2", "qwen3", "qwen2_vl", "glm4v", "qwen3_vl") if n in HAVE]
+PATHS = ("left_padding", "right_padding", "static", "sliding_window", "compiled", "continue", "assisted",
+         "prompt_lookup", "beam")
+UPSTREAM_LIMITS = (ValueError, RuntimeError, TypeError, AttributeError, NotImplementedError, IndexError, KeyError)
+
+
+def _left_padded(rows):
+    length = max(len(r) for r in rows)
+    ids = torch.zeros((len(rows), length), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, length - len(r):] = torch.as_tensor(r)
+        mask[i, length - len(r):] = 1
+    return ids, mask
+
+
+def _call(name, path):
+    """The prompt batch and generate() keyword arguments of one path."""
+    vision = SPECS[name].vision
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    if path == "right_padding":  # one prompt with padding after its real tokens (assisted decoding runs these)
+        rows = [tiny_sequence(name, text=5, image=vision)]
+        ids = torch.tensor([rows[0] + [0, 0, 0]])
+        mask = torch.tensor([[1] * len(rows[0]) + [0, 0, 0]])
+        images = int(vision)
+    elif path in ("assisted", "prompt_lookup", "continue"):
+        ids, mask = _left_padded([tiny_sequence(name, text=6, image=vision)])
+        images = int(vision)
+    else:
+        ids, mask = _left_padded([tiny_sequence(name, text=5, image=vision), tiny_sequence(name, text=9)])
+        images = int(vision)
+    if path == "static":
+        kw["cache_implementation"] = "static"
+    elif path == "sliding_window":
+        kw["cache_implementation"] = "sliding_window"
+    elif path == "compiled":
+        from transformers.generation.configuration_utils import CompileConfig
+
+        compile_config = CompileConfig(backend="aot_eager", fullgraph=False)
+        compile_config._compile_all_devices = True  # what upstream's own compile tests set to compile on CPU
+        kw.update(cache_implementation="static", compile_config=compile_config)
+    elif path == "prompt_lookup":
+        kw["prompt_lookup_num_tokens"] = 2
+    elif path == "beam":
+        kw.update(num_beams=2, num_return_sequences=2)
+    else:
+        kw.update(output_logits=True, return_dict_in_generate=True)
+    return ids, mask, tiny_pixels(images), kw
+
+
+def _overrides(name, path):
+    if path == "sliding_window" and not SPECS[name].vision:
+        return dict(use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    return {}
+
+
+def _generate(model, name, path, ids, mask, pixels, kw, assistant=None):
+    extra = forward_kwargs(model, ids, **pixels)
+    if path == "assisted":
+        kw = dict(kw, assistant_model=assistant)
+    out = model.generate(input_ids=ids, attention_mask=mask, **extra, **kw)
+    if path != "continue":
+        return out
+    # a second turn on the returned cache: the first turn's tokens, two new ones, and generate() again
+    seq = torch.cat((out.sequences, torch.tensor([[11, 12]])), dim=1)
+    more = model.generate(input_ids=seq, attention_mask=torch.ones_like(seq), past_key_values=out.past_key_values,
+                          **dict(kw, return_dict_in_generate=True, output_logits=True))
+    return more
+
+
+# the VL tiny configs carry no sliding window (the text families cover the sliding cache); one compiled text and
+# one compiled VL family where the release has them (compiling costs seconds per family on CPU)
+COMPILED = [n for n in ("qwen3", "qwen3_vl") if n in NAMES] or NAMES[:1]
+CASES = [(n, p) for n in NAMES for p in PATHS
+         if not (p == "sliding_window" and SPECS[n].vision) and (p != "compiled" or n in COMPILED)]
+
+
+@pytest.mark.parametrize("name,path", CASES)
+def test_generate_path_equals_the_unpatched_model(name, path):
+    ids, mask, pixels, kw = _call(name, path)
+    overrides = _overrides(name, path)
+    plain = tiny_model(name, **overrides)
+    helper = tiny_model(name, seed=1, **overrides) if path == "assisted" else None
+    try:
+        want = _generate(plain, name, path, ids, mask, pixels, kw, helper)
+    except UPSTREAM_LIMITS as exc:
+        pytest.skip(f"the unpatched model's own generate() cannot run {path} here: {type(exc).__name__}: "
+                    f"{str(exc)[:200]}")
+    torch._dynamo.reset()
+    model = tiny_model(name, **overrides)
+    tfcompat.patch(model)
+    if helper is not None:
+        helper = tiny_model(name, seed=1, **overrides)
+        tfcompat.patch(helper)
+    got = _generate(model, name, path, ids, mask, pixels, kw, helper)
+    sequences = [getattr(x, "sequences", x) for x in (got, want)]
+    assert torch.equal(*sequences), (path, sequences)
+    for step, (g, w) in enumerate(zip(getattr(got, "logits", None) or (), getattr(want, "logits", None) or ())):
+        assert torch.equal(g, w), f"{path}: logits of step {step}"
