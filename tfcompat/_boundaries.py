@@ -91,8 +91,47 @@ def _fingerprint(ref, position_ids):
     return torch.stack(((first.detach().to(torch.float64) @ w), pos.sum()))
 
 
-def check_ulysses_lengths(local, batch, group, state, ref=None, position_ids=None, whole=False):
-    """Every rank holds an equal slice (or, with ``whole``, the same whole row); one small collective per step."""
+def check_shards(state, groups, local, batch, ref=None, position_ids=None, whole=False, named=False):
+    """:func:`check_ulysses_lengths` over each of the model's sequence groups, decided alike on every rank of
+    their mesh: on a 2-D mesh (context x Ulysses) one group can see a problem its crossing groups cannot, so a
+    one-float all-reduce over each group carries any refusal to every rank (none would wait in a collective for
+    a peer that stopped). ``named``: the call names the whole row's boundaries (their length is checked)."""
+    import torch
+    import torch.distributed as dist
+
+    groups = list(groups)
+    errors = [check_ulysses_lengths(local, batch, g, state, ref, position_ids, whole, named, raise_=False)
+              for g in groups]
+    mine = next((e for e in errors if e is not None), None)
+    if len(groups) > 1:
+        flag = torch.tensor([0.0 if mine is None else 1.0], device=ref.device if ref is not None else None)
+        if dist.get_backend(groups[0]) == "nccl":
+            flag = flag.cuda()
+        for g in groups:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=g)
+        if mine is None and float(flag) > 0:
+            mine = UlyssesError(f"tfcompat {state.family}: another rank of the sequence-parallel mesh refused this "
+                                f"step (its error says why); every rank stops with it")
+    if mine is not None:
+        raise mine
+
+
+def check_ulysses_lengths(local, batch, group, state, ref=None, position_ids=None, whole=False, named=False,
+                          raise_=True):
+    """Every rank holds an equal slice (or, with ``whole``, the same whole row); one small collective per step.
+    ``named``: the call names the whole row's boundaries, whose length tells a slice from a whole row (slices
+    of equal content, e.g. the same sequence twice, are no mistake then). Without ``raise_``, the error is
+    returned (None when there is none)."""
+    try:
+        _check_ulysses_lengths(local, batch, group, state, ref, position_ids, whole, named)
+    except UlyssesError as exc:
+        if raise_:
+            raise
+        return exc
+    return None
+
+
+def _check_ulysses_lengths(local, batch, group, state, ref, position_ids, whole, named):
     import torch
     import torch.distributed as dist
 
@@ -121,7 +160,7 @@ def check_ulysses_lengths(local, batch, group, state, ref=None, position_ids=Non
                            f"passes the whole packed row and the model keeps its own slice; the ranks passed "
                            f"different rows of {local} tokens; pass the same row (ids, positions, pixels) on every "
                            f"rank, or patch without slice_inputs and pass each rank's slice")
-    if not whole and same:
+    if not whole and same and not named:
         raise UlyssesError(f"tfcompat {state.family}: every Ulysses rank passed the same {local} tokens and "
                            f"positions: a whole row, not this rank's slice, so no rank would split the work; "
                            f"patch with tfcompat.patch(model, ulysses_group=group, slice_inputs=True) to pass the "
@@ -161,8 +200,7 @@ def slice_whole_row(module, state, a, explicit):
     if mask is not None and hasattr(mask, "dim") and mask.dim() == 2 and not bool(mask.bool().all()):
         raise UlyssesError(f"tfcompat {state.family}: a whole row with padding in attention_mask; pack the rows "
                            f"(tfcompat.packing.pack) and pass the packed row with no mask")
-    for group in state.split().values():
-        check_ulysses_lengths(total, batch, group, state, embeds, position_ids, whole=True)
+    check_shards(state, state.split().values(), total, batch, embeds, position_ids, whole=True)
     extra = {k: a.get(k) for k in ("visual_pos_masks", "deepstack_visual_embeds") if a.get(k) is not None}
     local = slice_inputs(embeds, position_ids, **state.split(), **extra)
     a.update(local, input_ids=None, attention_mask=None)

@@ -67,8 +67,9 @@ def _text_model_forward(self, *args, **kwargs):
         a = _boundaries.slice_whole_row(self, state, a, explicit)
         ref = a["inputs_embeds"]
     else:
-        for g in split.values():
-            _boundaries.check_ulysses_lengths(ref.shape[1], ref.shape[0], g, state, ref, a.get("position_ids"))
+        named = _boundaries.explicit_cu(explicit) is not None
+        _boundaries.check_shards(state, split.values(), ref.shape[1], ref.shape[0], ref, a.get("position_ids"),
+                                 named=named)
         if split:  # this rank's slice beside the whole row's boundaries: its positions come from them
             a["position_ids"] = _boundaries.shard_positions(state, explicit, a.get("position_ids"), ref.shape[1],
                                                             ref.device)

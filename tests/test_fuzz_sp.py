@@ -1,0 +1,139 @@
+"""Property-based fuzz of sequence-parallel shards over 4 spawned gloo ranks: hypothesis draws the layout
+(Ulysses over 4, context parallel over 4, the 2x2 mesh of both), the call (each rank's slice, or the whole row
+under ``slice_inputs=True``), ids or embeddings, where the boundaries come from (the slice's position ids, the
+whole row's ``cu_seq_lens_q/k`` as DataCollatorWithFlattening gives them, both, ``seq_idx``,
+``tfcompat.packing.packed(cu)``, none for one sequence) and labels. Two outcomes are allowed, the same on every
+rank: the gathered logits equal the unpatched padded batch's, or a TfcompatError. Every rank draws the same
+examples (derandomized); a rank that diverges ends by the process group's timeout, not a hang.
+"""
+
+import collections
+import functools
+import os
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tfcompat
+from tfcompat.errors import TfcompatError
+from tfcompat.packing import pack, packed, unpack
+from tfcompat.ulysses import gather_from_ranks, slice_for_rank
+
+from _dist import assert_ok, merged, run_cases, spawn
+from _helpers import patchable
+from _models import padded, tiny_model, tiny_sequence
+
+pytestmark = pytest.mark.xdist_group("fuzz_sp")
+if os.environ.get("TFCOMPAT_BOUNDARY_TESTS") == "skip":
+    pytest.skip("the sequence-parallel fuzz runs on the boundary releases of the matrix (tox.ini says which)",
+                allow_module_level=True)
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+
+WORLD = 4
+NAMES = [n for n in ("qwen2", "qwen2_vl") if n in patchable()]
+PRELOAD_FAMILIES = NAMES
+EXAMPLES = int(os.environ.get("TFCOMPAT_SP_FUZZ_EXAMPLES", "60"))
+
+
+def _groups(how):
+    if how == "2x2":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "sp"))
+        sp, cp = mesh["sp"].get_group(), mesh["cp"].get_group()
+        return dict(ulysses_group=sp, context_group=cp), dict(group=sp, context_group=cp)
+    if how == "ulysses":
+        return dict(ulysses_group=dist.group.WORLD), dict(group=dist.group.WORLD)
+    return dict(context_group=dist.group.WORLD), dict(context_group=dist.group.WORLD)
+
+
+def _example(name, how, whole, embeds, source, labels, lengths, counts):
+    if os.environ.get("TFCOMPAT_TEST_VERBOSE"):
+        print(f"[rank {dist.get_rank()} {time.strftime('%X')}] {name} {how} whole={whole} embeds={embeds} "
+              f"{source} labels={labels} {lengths}", file=sys.stderr, flush=True)
+    if source == "none":
+        lengths = lengths[:1]  # a row with no boundaries is one sequence
+    rows = [tiny_sequence(name, text=n) for n in lengths]
+    ids, mask = padded(rows)
+    pk = pack(ids, mask)
+    plain = tiny_model(name, num_key_value_heads=2)
+    with torch.no_grad():
+        want = plain(input_ids=ids, attention_mask=mask).logits
+    model = tiny_model(name, num_key_value_heads=2)
+    patch_kw, split = _groups(how)
+    tfcompat.patch(model, slice_inputs=whole, **patch_kw)
+    n = pk.input_ids.shape[1]
+    cut = (lambda x, dim=1: x) if whole else (lambda x, dim=1: slice_for_rank(x, dim=dim, **split))
+    kw = {}
+    row = model.get_input_embeddings()(pk.input_ids) if embeds else pk.input_ids
+    kw["inputs_embeds" if embeds else "input_ids"] = cut(row)
+    if source in ("positions", "cu+positions"):
+        kw["position_ids"] = cut(pk.position_ids)
+    if source in ("cu", "cu+positions"):
+        kw.update(cu_seq_lens_q=pk.cu_seqlens, cu_seq_lens_k=pk.cu_seqlens, max_length_q=pk.max_seqlen,
+                  max_length_k=pk.max_seqlen)
+    if source == "seq_idx":
+        seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).view(1, -1)
+        kw["seq_idx"] = cut(seq)
+    if labels:
+        kw["labels"] = cut(pk.input_ids)
+    try:
+        with torch.no_grad():
+            if source == "packed(cu)":
+                with packed(pk.cu_seqlens, pk.max_seqlen):
+                    local = model(**kw).logits
+            else:
+                local = model(**kw).logits
+    except TfcompatError as exc:
+        if os.environ.get("TFCOMPAT_TEST_VERBOSE") and dist.get_rank() == 0:
+            print(f"    -> {str(exc)[:160]}", file=sys.stderr, flush=True)
+        counts[f"{how}/{source}: clear error ({type(exc).__name__})"] += 1
+        return
+    got = unpack(gather_from_ranks(local, dim=1, length=n, **split), pk)
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], want[valid], rtol=1e-4, atol=1e-4,
+                               msg=lambda m: f"{name} {how} whole={whole} {source} labels={labels}: {m}")
+    counts[f"{how}/{source}: equals oracle"] += 1
+
+
+def _fuzz_worker(rank, world, counts):
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(name=st.sampled_from(NAMES), how=st.sampled_from(["ulysses", "context", "2x2"]), whole=st.booleans(),
+           embeds=st.booleans(), labels=st.booleans(),
+           source=st.sampled_from(["positions", "cu", "cu+positions", "seq_idx", "packed(cu)", "none"]),
+           lengths=st.lists(st.integers(1, 9), min_size=1, max_size=4))
+    def fuzz(name, how, whole, embeds, labels, source, lengths):
+        _example(name, how, whole, embeds, source, labels, lengths, counts)
+
+    fuzz()
+
+
+def _cases(rank, world):
+    counts = collections.Counter()
+    results = run_cases(rank, [("fuzz", functools.partial(_fuzz_worker, rank, world, counts))])
+    results["counts"] = dict(counts)
+    return results
+
+
+@pytest.fixture(scope="module")
+def per_rank():
+    return spawn(_cases, WORLD, timeout=900, collect=True)
+
+
+def test_sequence_parallel_shards_fuzz(per_rank):
+    outcomes = merged([{k: v for k, v in r.items() if k != "counts"} for r in per_rank])
+    assert_ok(outcomes, "fuzz")
+    counts = [r["counts"] for r in per_rank]
+    assert all(c == counts[0] for c in counts[1:]), "the ranks met different outcomes"
+    print("\nsequence-parallel fuzz outcomes (layout/source: outcome): count")
+    for key, count in sorted(counts[0].items()):
+        print(f"  {key}: {count}")
+    assert sum(counts[0].values()) >= EXAMPLES // 2
+    assert any("equals oracle" in k for k in counts[0]), counts[0]
