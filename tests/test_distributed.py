@@ -204,8 +204,34 @@ def _patched_ddp_worker(rank, world, name, mode):
     _assert_same_on_every_rank(model)
 
 
+def _grad_scale_worker(rank, world):
+    """gather_from_ranks' backward against verl's gather_outputs_and_unpad: grad_scale=1 (a loss summed over the
+    group) is verl's grad_scaler=False, grad_scale="group" (FSDP/DDP average over the ranks) its default True."""
+    from tfcompat.ulysses import gather_from_ranks
+
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(1, 3, 4, generator=g)
+    weights = torch.randn(1, 3 * world, 4, generator=torch.Generator().manual_seed(9))
+    grads = {}
+    for scale in (1.0, "group", 2.5):
+        mine = x.clone().requires_grad_()
+        (gather_from_ranks(mine, dim=1, group=dist.group.WORLD, grad_scale=scale) * weights).sum().backward()
+        grads[scale] = mine.grad
+    own = weights[:, 3 * rank: 3 * rank + 3]
+    assert torch.equal(grads[1.0], own) and torch.equal(grads["group"], own * world)
+    assert torch.equal(grads[2.5], own * 2.5)
+    if VERL is not None:
+        for scaler, ours in ((False, grads[1.0]), (True, grads["group"])):
+            theirs = x.clone().requires_grad_()
+            out = VERL.gather_outputs_and_unpad(theirs, gather_dim=1, grad_scaler=scaler, group=dist.group.WORLD)
+            (out * weights).sum().backward()
+            assert torch.equal(theirs.grad, ours), scaler
+    with pytest.raises(UlyssesError, match="grad_scale"):
+        gather_from_ranks(x, dim=1, group=dist.group.WORLD, grad_scale=0)
+
+
 def _cases(rank, world):
-    cases = []
+    cases = [("grad_scale", functools.partial(_grad_scale_worker, rank, world))]
     for name in VISION:
         cases.append((f"patched_ddp:{name}", functools.partial(_patched_ddp_worker, rank, world, name, "ddp")))
     for name in ("qwen2_vl", "qwen3_vl"):
@@ -263,6 +289,12 @@ def test_patched_model_with_a_text_only_rank_under_fsdp2(outcomes, name):
 
 def test_ulysses_refuses_heads_that_do_not_divide(outcomes):
     assert_ok(outcomes, "bad_heads")
+
+
+def test_gather_grad_scale_matches_verls_gather(outcomes):
+    if VERL is None and os.environ.get("TFCOMPAT_EXPECT_CLIENTS", "").count("verl"):
+        pytest.fail("verl is expected in this environment (TFCOMPAT_EXPECT_CLIENTS) but not installed")
+    assert_ok(outcomes, "grad_scale")
 
 
 def test_ulysses_unequal_local_lengths_raise_on_every_rank(outcomes):

@@ -91,3 +91,37 @@ def test_vendored_copy_runs_a_family_check(tmp_path):
                          cwd=tmp_path, env=env, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "7 passed, 0 failed" in out.stdout
+
+
+def test_vendor_makes_the_parent_packages_a_wheel_needs(tmp_path):
+    """`tfcompat vendor myproj/_vendor/tfcompat` in a setuptools project whose setup.py uses find_packages (as
+    verl's does): the missing `_vendor/__init__.py` is made, so the built wheel holds the copy; a folder that
+    already is a package keeps its own __init__.py. Built with setuptools' own PEP 517 backend, no network."""
+    setuptools = pytest.importorskip("setuptools")
+    project = tmp_path / "proj"
+    (project / "myproj").mkdir(parents=True)
+    (project / "myproj" / "__init__.py").write_text("KEEP = 1\n")
+    (project / "setup.py").write_text("from setuptools import setup, find_packages\n"
+                                      "setup(name='myproj', version='0.0.1', packages=find_packages())\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-m", "tfcompat", "vendor", str(project / "myproj" / "_vendor" /
+                                                                         "tfcompat")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert (project / "myproj" / "_vendor" / "__init__.py").exists(), out.stdout
+    assert (project / "myproj" / "__init__.py").read_text() == "KEEP = 1\n"
+    assert "made " in out.stdout and str(project / "myproj" / "__init__.py") not in out.stdout
+    build = ("import os, sys, setuptools.build_meta as b\n"
+             "os.chdir(sys.argv[1]); print(b.build_wheel(sys.argv[2]))\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", build, str(project), str(tmp_path / "dist")], capture_output=True,
+                         text=True, env=env, timeout=300)
+    if out.returncode and "No module named 'wheel'" in out.stderr:
+        pytest.skip(f"setuptools {setuptools.__version__} builds wheels only with the `wheel` package installed")
+    assert out.returncode == 0, out.stderr[-2000:]
+    import zipfile
+
+    names = zipfile.ZipFile(tmp_path / "dist" / out.stdout.strip().splitlines()[-1]).namelist()
+    for want in ("myproj/_vendor/__init__.py", "myproj/_vendor/tfcompat/__init__.py",
+                 "myproj/_vendor/tfcompat/rope.py", "myproj/_vendor/tfcompat/_kernels/rope.py"):
+        assert want in names, (want, sorted(names)[:20])

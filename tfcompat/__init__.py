@@ -65,7 +65,8 @@ def patch(model: Any, *, remove_padding: bool = True, ulysses_group: Any = None,
             chunks of the packed row (chunk ``r`` and ``2c - 1 - r`` of ``2c``: equal causal work per rank;
             :func:`tfcompat.ulysses.slice_inputs` / ``slice_for_rank`` with ``context_group=`` cut them) and
             every attention layer gathers the whole row's keys and values. Any number of ranks, whatever
-            the head count. Not yet together with ``ulysses_group``; refused for linear-attention families.
+            the head count. Together with ``ulysses_group`` (a 2-D mesh: context x Ulysses), the Ulysses
+            group splits each context rank's chunks; refused for linear-attention families.
 
     Returns:
         a :class:`PatchRecord` of what is patched now. Patching again with the same options

@@ -327,8 +327,39 @@ def _vendor(args):
     with open(os.path.join(dest, _MARKER), "w") as fh:  # never a path: this file lands in other repositories
         fh.write(f"tfcompat {__version__}\nvendored {stamp}\ncommit {commit}\n"
                  f"Import it relatively (from ._vendor import tfcompat); do not edit: re-run `tfcompat vendor`.\n")
+    made = _parent_packages(dest)
     print(f"copied tfcompat {__version__} ({len(written)} files) into {dest}; wrote {os.path.join(dest, _MARKER)}")
+    for path in made:
+        print(f"made {path} (a package, so setuptools' find_packages puts the copy in your wheel)")
     return 0
+
+
+_ROOT_MARKERS = ("pyproject.toml", "setup.py", "setup.cfg", ".git")
+
+
+def _parent_packages(dest):
+    """Empty ``__init__.py`` in every folder between the project root (the nearest folder above DEST with a
+    pyproject.toml, setup.py, setup.cfg or .git; else DEST's parent) and DEST that lacks one: without them
+    ``find_packages`` (verl's setup.py, most setuptools projects) leaves the vendored copy out of a wheel."""
+    folders = []
+    here = os.path.dirname(dest)
+    while True:
+        if any(os.path.exists(os.path.join(here, m)) for m in _ROOT_MARKERS):
+            break
+        folders.append(here)
+        up = os.path.dirname(here)
+        if up == here:  # no project root above: only DEST's parent
+            folders = folders[:1]
+            break
+        here = up
+    made = []
+    for folder in reversed(folders):
+        init = os.path.join(folder, "__init__.py")
+        if not os.path.exists(init):
+            with open(init, "w") as fh:
+                fh.write("# made by `tfcompat vendor`: the vendored copy below is a package of this project\n")
+            made.append(init)
+    return made
 
 
 def _commit(source):

@@ -174,11 +174,39 @@ class _Gather(torch.autograd.Function):
         return grad.narrow(ctx.dim, rank * step, step).contiguous(), None, None
 
 
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
 def gather_from_ranks(x: torch.Tensor, dim: int = 1, group: Any = None, length: Optional[int] = None, *,
-                      context_group: Any = None) -> torch.Tensor:
+                      context_group: Any = None, grad_scale: Any = 1.0) -> torch.Tensor:
     """Concatenate every rank's slice along ``dim`` (and drop padding beyond ``length``); with
     ``context_group``, put every rank's two chunks back in row order (with both: the Ulysses group's
-    slices first)."""
+    slices first).
+
+    Backward hands each rank the gradient of its own slice, times ``grad_scale``. The default (1) suits a loss
+    that is then SUMMED over the group's ranks (every rank computed the same loss on the gathered tensor and
+    the gradients are added, e.g. ``all_reduce(SUM)``). FSDP and DDP AVERAGE gradients over every rank, which
+    divides the group's identical contributions by its size: pass ``grad_scale="group"`` (the product of the
+    group sizes), as verl's ``gather_outputs_and_unpad`` does by default (its ``grad_scaler=True``).
+
+    .. versionchanged:: 0.2.0 ``grad_scale``.
+    """
+    if grad_scale == "group":
+        grad_scale = (_size(group) if group is not None or context_group is None else 1) * \
+            (_size(context_group) if context_group is not None else 1)
+    if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) or not grad_scale > 0:
+        raise UlyssesError(f"gather_from_ranks: grad_scale must be a positive number or \"group\", got "
+                           f"{grad_scale!r}")
+    if grad_scale != 1:
+        x = _ScaleGrad.apply(x, float(grad_scale))
     out = _Gather.apply(x, dim, group) if group is not None or context_group is None else x
     if context_group is not None:
         from ._context import gather_rows
