@@ -88,8 +88,8 @@ UPSTREAM_BUGS = (
     (RuntimeError, "cannot be broadcast to indexing result", "4.57.0", "4.57.99",
      "transformers 4.57 Qwen3-Omni thinker hands its text model a (batch, seq, hidden) visual mask, which its "
      "deepstack merge cannot index (upstream bug)"),
-    (AttributeError, "object has no attribute 'vocab_size'", "4.52.0", "4.52.99",
-     "transformers 4.52 VL models compute their loss from config.vocab_size, which the top-level VL config "
+    (AttributeError, "object has no attribute 'vocab_size'", "4.52.0", "4.55.99",
+     "transformers 4.52-4.55 VL models compute their loss from config.vocab_size, which the top-level VL config "
      "lacks: the unpatched model cannot take labels (upstream bug)"),
 )
 

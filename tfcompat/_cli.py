@@ -5,6 +5,7 @@ ever added within a schema version.
 """
 
 import argparse
+import dataclasses
 import datetime
 import importlib.metadata
 import json
@@ -145,6 +146,11 @@ def _check_model(args):
         if fam.name not in _resolve.installed_families():
             raise TfcompatError(f"transformers {_dist_version('transformers')} does not ship {fam.name}")
         _quiet_transformers()
+        from ._drift import compare, raw_of
+
+        drifted = compare(raw_of(path), config)
+        if drifted:
+            return _drift_exit(args, path, drifted)
         if args.model:
             import torch
 
@@ -182,6 +188,23 @@ def _check_model(args):
         print(f"{len(results) - failed - skipped} passed, {failed} failed, {skipped} skipped ({path}, "
               f"transformers {doc['transformers']}, {doc['seconds']:.1f}s)")
     return 0 if failed == 0 else 1
+
+
+def _drift_exit(args, path, drifted):
+    """The file sets RoPE facts this release builds otherwise: every record, exit 2 (no check would be of the
+    model the file describes)."""
+    release = _dist_version("transformers")
+    if args.json:
+        print(json.dumps({"schema": SCHEMA, "tfcompat": __version__, "transformers": release, "source": path,
+                          "passed": False, "drift": [dataclasses.asdict(d) for d in drifted]}, indent=2,
+                         sort_keys=True, default=str))
+    else:
+        print(f"{path}: transformers {release} builds another RoPE than this file sets:")
+        for d in drifted:
+            print(f"  {d.line()}")
+        print("  load it with the release that saved it, or set the facts under the keys this release reads "
+              "(tfcompat.config.drift lists them)")
+    return 2
 
 
 def _check_device(args):

@@ -210,7 +210,9 @@ def _vl_forward(self, *args, **kwargs):
         with _Scope(("explicit", found)):  # a checkpoint's recomputation of this call: the same boundaries
             return _vl_forward(self, *args, **kwargs)
     pixels = a.get("pixel_values") is not None or a.get("pixel_values_videos") is not None
-    if state.split() and not state.slice_inputs:
+    decoding = any(a.get(n) is not None for n in _CACHE_NAMES) or \
+        (a.get("cache_position") is not None and a.get("use_cache") is not False)
+    if state.split() and not state.slice_inputs and not decoding:  # generate(): each rank its own prompts
         args, kwargs = (), _vl_shard(self, state, a, pixels)
     elif not pixels and a.get("position_ids") is None and _row_positions(state, a) is not None:
         args, kwargs = (), a

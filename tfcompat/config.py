@@ -21,7 +21,7 @@ from ._compat import transformers4
 from ._families import family as _family
 from .errors import ConfigError
 
-__all__ = ["RopeParameters", "rope_parameters", "text_config"]
+__all__ = ["RopeParameters", "drift", "rope_parameters", "text_config"]
 
 _KNOWN_KEYS = {"rope_type", "type", "rope_theta", "mrope_section", "mrope_interleaved", "partial_rotary_factor"}
 
@@ -191,3 +191,21 @@ def rope_parameters(config: Any, *, model_type: Optional[str] = None) -> RopePar
         mrope_interleaved=fam.mrope == "interleaved",
         scaling=FrozenDict(scaling),
     )
+
+
+def drift(path_or_config: Any) -> list:
+    """The RoPE facts a config file (``config.json`` or a checkpoint folder, or a loaded config) sets that the
+    installed transformers builds otherwise: a list of records with ``key``, ``in_file``, ``built`` and ``why``
+    (``[]``: none). Read by building this release's own rotary module from the file, e.g. a Qwen2 saved by 5.x
+    with ``rope_theta`` 1e6 (only under ``rope_parameters``) loaded by 4.57, which builds theta 1e4::
+
+        for record in tfcompat.config.drift("path/to/checkpoint"):
+            print(record.line())   # rope_theta: 1000000.0 -> 10000.0 (...)
+
+    ``tfcompat check --config PATH`` prints them and exits 2.
+
+    .. versionadded:: 0.2.0
+    """
+    from ._drift import drift as _drift
+
+    return _drift(path_or_config)

@@ -1,0 +1,80 @@
+"""Config drift (``tfcompat.config.drift``, ``check --config``): tiny Qwen2 configs saved by 4.51.3, 4.57.6 and
+5.24.0 with their own ``save_pretrained`` (``tests/data/checkpoints/*--saved-by-<release>``: theta 1e6; YaRN
+scaling), loaded by the release of this environment. Oracle: this release's own rotary module built from the
+file (its ``rope_type`` and ``inv_freq``), against what the file sets."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tfcompat.config import drift
+from tfcompat.version import transformers_version
+
+from _helpers import modeling
+
+FOLDERS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "data", "checkpoints", "qwen2-*--saved-by-*")))
+
+
+def _upstream_builds(folder):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    rotary = modeling("qwen2").Qwen2RotaryEmbedding(config=config)
+    inv = rotary.inv_freq.double()
+    kind = str(getattr(rotary, "rope_type", "default"))
+    return kind, (float(inv[1] ** (-inv.numel())) if kind == "default" else None)
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=[os.path.basename(f) for f in FOLDERS])
+def test_drift_names_what_this_release_builds_otherwise(folder):
+    raw = json.load(open(os.path.join(folder, "config.json")))
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    meant_kind = rope.get("rope_type", rope.get("type", "default"))
+    meant_theta = rope.get("rope_theta", raw.get("rope_theta"))
+    kind, theta = _upstream_builds(folder)
+    want = set()
+    if kind != meant_kind:
+        want.add("rope_type")
+    if theta is not None and abs(theta - meant_theta) > 1e-3 * meant_theta:
+        want.add("rope_theta")
+    records = drift(folder)
+    assert {r.key for r in records} == want, [r.line() for r in records]
+    saved_by_5 = raw["transformers_version"].startswith("5.")
+    if transformers_version().major == 4 and saved_by_5:
+        assert want, "a 4.x release reads no rope_parameters: the 5.x-saved theta must be dropped here"
+    else:
+        assert not want, "releases of the same major line (and 5.x reading 4.x files) keep these facts"
+
+
+def test_check_config_exits_2_naming_the_dropped_theta():
+    folder = next(f for f in FOLDERS if "theta1e6--saved-by-5" in f)
+    out = subprocess.run([sys.executable, "-m", "tfcompat", "check", "--config", folder], capture_output=True,
+                         text=True, timeout=300)
+    if transformers_version().major == 4:
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert "rope_theta: 1000000.0 -> 10000.0" in out.stdout, out.stdout
+        report = subprocess.run([sys.executable, "-m", "tfcompat", "check", "--config", folder, "--json"],
+                                capture_output=True, text=True, timeout=300)
+        doc = json.loads(report.stdout)
+        assert report.returncode == 2 and [d["key"] for d in doc["drift"]] == ["rope_theta"], doc
+    else:
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_drift_of_a_loaded_config_and_bad_input():
+    from transformers import AutoConfig
+
+    from tfcompat.errors import ConfigError
+
+    folder = next(f for f in FOLDERS if "theta1e6--saved-by-5" in f)
+    loaded = AutoConfig.from_pretrained(folder, local_files_only=True)
+    assert [r.key for r in drift(loaded)] == [r.key for r in drift(folder)]
+    with pytest.raises(ConfigError, match="cannot read"):
+        drift(os.path.join(folder, "missing.json"))
+    with pytest.raises(ConfigError, match="pass a config.json path"):
+        drift(torch.zeros(1))
