@@ -135,8 +135,9 @@ def _check(args):
 def _check_model(args):
     """``check --config PATH`` / ``--model PATH``: the user's model (scaled down, or with its weights)."""
     from . import _checks, _resolve, version
+    from ._drift import load_config
     from ._families import family
-    from ._scale import load_config, scaled_config
+    from ._scale import scaled_config
 
     path = args.model or args.config
     try:

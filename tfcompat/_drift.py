@@ -11,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import tempfile
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, TfcompatError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +29,30 @@ class Drift:
 
     def line(self) -> str:
         return f"{self.key}: {self.in_file!r} -> {self.built!r} ({self.why})"
+
+
+def load_config(path: str) -> Any:
+    """The config at ``path`` (a config.json or a checkpoint folder), loaded by ``AutoConfig.from_pretrained``
+    as this release loads it (its legacy keys rewritten by the config class, nothing downloaded)."""
+    from transformers import AutoConfig
+
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(f"tfcompat check: {path} has no config.json; pass a checkpoint folder or a config file")
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    if not os.path.isfile(path):
+        raise ConfigError(f"tfcompat check: no such file or folder: {path}")
+    try:
+        with open(path) as fh:
+            json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"tfcompat check: {path} is not a JSON config: {exc}") from None
+    folder = tempfile.mkdtemp(prefix="tfcompat-config-")
+    try:
+        shutil.copyfile(path, os.path.join(folder, "config.json"))
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def raw_of(path_or_config):
@@ -51,7 +77,7 @@ def _text_part(raw):
 
 
 def _intent(raw):
-    """The file's RoPE facts: theta, type, mRoPE sections, partial rotary factor (None where it sets none)."""
+    """The file's RoPE facts: theta, type, partial rotary factor (None where it sets none)."""
     text = _text_part(raw)
 
     def get(key):
@@ -65,8 +91,7 @@ def _intent(raw):
     theta = rope.get("rope_theta", get("rope_theta"))
     kind = rope.get("rope_type", rope.get("type"))
     factor = rope.get("partial_rotary_factor", get("partial_rotary_factor"))
-    return {"rope_theta": theta, "rope_type": kind, "mrope_section": rope.get("mrope_section"),
-            "partial_rotary_factor": factor}
+    return {"rope_theta": theta, "rope_type": kind, "partial_rotary_factor": factor}
 
 
 def _built(config):
@@ -74,17 +99,21 @@ def _built(config):
     import importlib
 
     from ._families import family
-    from .config import rope_parameters, text_config
 
     fam = family(config)
-    rotary = getattr(importlib.import_module(fam.modeling), fam.rotary)(config=text_config(config))
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    try:
+        rotary = getattr(importlib.import_module(fam.modeling), fam.rotary)(config=text)
+    except Exception as exc:  # the release itself cannot build this file's rotary embedding
+        raise TfcompatError(f"transformers {_release()} itself cannot run this config: its {fam.rotary} raised "
+                            f"{type(exc).__name__}: {exc}; fix the config (or run the release it was written "
+                            f"for)") from None
     inv = rotary.inv_freq.double()
     width = 2 * inv.numel()
     kind = str(getattr(rotary, "rope_type", "default"))
     theta = float(inv[1] ** (-width / 2.0)) if inv.numel() > 1 and kind == "default" else None
-    rp = rope_parameters(config)
-    return {"rope_type": kind, "rope_theta": theta, "rotary_dim": width, "head_dim": rp.head_dim,
-            "mrope_section": list(rp.mrope_section) if rp.mrope_section else None}
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return {"rope_type": kind, "rope_theta": theta, "rotary_dim": width, "head_dim": head_dim}
 
 
 def drift(path_or_config: Any) -> list:
@@ -93,8 +122,6 @@ def drift(path_or_config: Any) -> list:
     loaded config is read through ``to_dict()`` (keys the release ignores stay there as attributes)."""
     raw = raw_of(path_or_config)
     if isinstance(path_or_config, (str, os.PathLike)):
-        from ._scale import load_config
-
         config = load_config(os.fspath(path_or_config))
     else:
         config = path_or_config
@@ -131,10 +158,6 @@ def compare(raw: dict, config: Any) -> list:
             out.append(Drift("partial_rotary_factor", factor, got["rotary_dim"] / got["head_dim"],
                              f"transformers {release}'s rotary module rotates {got['rotary_dim']} of "
                              f"{got['head_dim']} channels, not {meant}"))
-    section = want["mrope_section"]
-    if section is not None and got["mrope_section"] is not None and list(section) != got["mrope_section"]:
-        out.append(Drift("mrope_section", list(section), got["mrope_section"],
-                         f"transformers {release} reads other sections from this file"))
     return out
 
 

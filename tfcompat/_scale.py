@@ -14,12 +14,9 @@ size does and is kept: 1, 2 or 4).
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
 from typing import Any
 
+from ._drift import load_config
 from .errors import ConfigError
 
 __all__ = ["load_config", "scaled_config", "KEPT"]
@@ -31,30 +28,6 @@ KEPT = ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor"
         "tie_word_embeddings", "rope_interleave", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
         "use_qk_norm", "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace")
 _MAX_LAYERS = 64
-
-
-def load_config(path: str) -> Any:
-    """The config at ``path`` (a config.json or a checkpoint folder), loaded by ``AutoConfig.from_pretrained``
-    as this release loads it (its legacy keys rewritten by the config class, nothing downloaded)."""
-    from transformers import AutoConfig
-
-    if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ConfigError(f"tfcompat check: {path} has no config.json; pass a checkpoint folder or a config file")
-        return AutoConfig.from_pretrained(path, local_files_only=True)
-    if not os.path.isfile(path):
-        raise ConfigError(f"tfcompat check: no such file or folder: {path}")
-    try:
-        with open(path) as fh:
-            json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"tfcompat check: {path} is not a JSON config: {exc}") from None
-    folder = tempfile.mkdtemp(prefix="tfcompat-config-")
-    try:
-        shutil.copyfile(path, os.path.join(folder, "config.json"))
-        return AutoConfig.from_pretrained(folder, local_files_only=True)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _layer_count(text) -> int:
