@@ -55,6 +55,20 @@ def load_config(path: str) -> Any:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def text_config(config: Any) -> Any:
+    """The text config of a vision-language config, or ``config`` itself for text models.
+
+    Flat Qwen2-VL configs (transformers < 4.52) have no ``text_config`` and are returned as is, and so are
+    flat configs that carry a newer checkpoint's ``text_config`` as a plain dict (a config saved by 4.53 and
+    loaded by 4.51: the release's model reads the flat keys and ignores the dict).
+    """
+    sub = config.__dict__.get("text_config", None)
+    if sub is None:
+        getter = getattr(config, "get_text_config", None)
+        sub = getter() if callable(getter) else None
+    return config if sub is None or isinstance(sub, dict) else sub
+
+
 def raw_of(path_or_config):
     if isinstance(path_or_config, (str, os.PathLike)):
         path = os.fspath(path_or_config)
@@ -101,7 +115,7 @@ def _built(config):
     from ._families import family
 
     fam = family(config)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     try:
         rotary = getattr(importlib.import_module(fam.modeling), fam.rotary)(config=text)
     except Exception as exc:  # the release itself cannot build this file's rotary embedding

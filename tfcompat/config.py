@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from . import _resolve
 from ._compat import transformers4
+from ._drift import text_config
 from ._families import family as _family
 from .errors import ConfigError
 
@@ -65,20 +66,6 @@ class RopeParameters:
     mrope_section: Optional[tuple] = None
     mrope_interleaved: bool = False
     scaling: FrozenDict = dataclasses.field(default_factory=FrozenDict)
-
-
-def text_config(config: Any) -> Any:
-    """The text config of a vision-language config, or ``config`` itself for text models.
-
-    Flat Qwen2-VL configs (transformers < 4.52) have no ``text_config`` and are returned as is, and so are
-    flat configs that carry a newer checkpoint's ``text_config`` as a plain dict (a config saved by 4.53 and
-    loaded by 4.51: the release's model reads the flat keys and ignores the dict).
-    """
-    sub = config.__dict__.get("text_config", None)
-    if sub is None:
-        getter = getattr(config, "get_text_config", None)
-        sub = getter() if callable(getter) else None
-    return config if sub is None or isinstance(sub, dict) else sub
 
 
 def _rope_dict(cfg, key):
