@@ -110,14 +110,14 @@ def _intent(raw):
 
 def _built(config):
     """What this release builds from the loaded config: its rotary module's type, theta and rotary width."""
-    import importlib
 
+    from . import _resolve
     from ._families import family
 
     fam = family(config)
     text = text_config(config)
-    try:
-        rotary = getattr(importlib.import_module(fam.modeling), fam.rotary)(config=text)
+    try:  # the class this release's text model builds (a family may reuse another's: glm46v, glm4v's on 5.0)
+        rotary = _resolve.resolve("rope.init", fam.name).target(config=text)
     except Exception as exc:  # the release itself cannot build this file's rotary embedding
         raise TfcompatError(f"transformers {_release()} itself cannot run this config: its {fam.rotary} raised "
                             f"{type(exc).__name__}: {exc}; fix the config (or run the release it was written "
