@@ -41,6 +41,21 @@ def test_published_config_passes_every_check(path, capsys):
     assert doc["kept"], "the scaled model reports what it kept"
 
 
+def test_a_family_this_release_lacks_names_the_first_release_with_it(capsys):
+    """A published config of a family the installed release does not ship: tfcompat's one line naming the first
+    release that has it (the family table's `since`), exit 2, not transformers' "does not recognize"."""
+    from tfcompat._families import family
+
+    missing = [p for p in CONFIGS if json.loads(p.read_text())["model_type"] not in installed()]
+    if not missing:
+        pytest.skip("this release ships every catalogued family")
+    for path in missing:
+        fam = family(json.loads(path.read_text())["model_type"])
+        assert main(["check", "--config", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"first shipped in transformers {fam.since}" in err and "does not recognize" not in err, err
+
+
 def test_checkpoint_saved_by_an_older_release(capsys):
     """A tiny Qwen2 saved by transformers 4.51.3 (safetensors), loaded with its weights by this release."""
     code, doc = _run(capsys, "--model", str(DATA / "checkpoints" / "qwen2-saved-by-4.51.3"))

@@ -16,7 +16,7 @@ import sys
 import time
 
 from . import __version__
-from .errors import TfcompatError
+from .errors import ConfigError, TfcompatError
 
 SCHEMA = 1
 _PROG = "tfcompat"
@@ -142,12 +142,23 @@ def _check_model(args):
     path = args.model or args.config
     try:
         version.require_supported_transformers("tfcompat check")
+        from ._drift import compare, raw_of
+
+        try:  # the family before transformers' own "does not recognize this architecture"
+            named = raw_of(path).get("model_type")
+        except (ConfigError, AttributeError):
+            named = None  # load_config says what is wrong with the file
+        if isinstance(named, str) and family(named).name not in _resolve.installed_families():
+            fam = family(named)
+            raise TfcompatError(f"transformers {_dist_version('transformers')} does not ship {fam.name} (first "
+                                f"shipped in transformers {fam.since}); install transformers>={fam.since} to "
+                                f"load this checkpoint")
         config = load_config(path)
         fam = family(config)
         if fam.name not in _resolve.installed_families():
-            raise TfcompatError(f"transformers {_dist_version('transformers')} does not ship {fam.name}")
+            raise TfcompatError(f"transformers {_dist_version('transformers')} does not ship {fam.name} (first "
+                                f"shipped in transformers {fam.since})")
         _quiet_transformers()
-        from ._drift import compare, raw_of
 
         drifted = compare(raw_of(path), config)
         if drifted:
