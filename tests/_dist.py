@@ -122,3 +122,17 @@ def assert_ok(outcomes, case):
     if limit is not None:
         pytest.skip(f"torch {torch.__version__} cannot run FSDP2 on CPU with gloo ({limit}); NCCL runs it")
     assert outcomes[case] == "ok", outcomes[case]
+
+
+def sequence_groups(how):
+    """The sequence groups of a layout over the 4 ranks: (patch kwargs, slice/gather kwargs) for "ulysses",
+    "context", or "2x2" (context over "cp" x Ulysses over "sp" of one DeviceMesh)."""
+    if how == "2x2":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "sp"))
+        sp, cp = mesh["sp"].get_group(), mesh["cp"].get_group()
+        return dict(ulysses_group=sp, context_group=cp), dict(group=sp, context_group=cp)
+    if how == "ulysses":
+        return dict(ulysses_group=dist.group.WORLD), dict(group=dist.group.WORLD)
+    return dict(context_group=dist.group.WORLD), dict(context_group=dist.group.WORLD)

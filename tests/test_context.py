@@ -21,7 +21,7 @@ from tfcompat.errors import PackingError, UlyssesError
 from tfcompat.packing import pack, unpack
 from tfcompat.ulysses import gather_from_ranks, slice_for_rank
 
-from _dist import assert_ok, merged, run_cases, spawn
+from _dist import assert_ok, merged, run_cases, sequence_groups, spawn
 from _helpers import close_to_model, linear_attention, patchable
 from _models import (
     forward_kwargs,
@@ -306,19 +306,6 @@ def _explicit_boundaries_worker(rank, world):
                 model(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, max_length_q=longest, max_length_k=7)
 
 
-def _layout(how):
-    """The sequence groups of a layout over the 4 ranks: (patch kwargs, slice/gather kwargs)."""
-    if how == "2x2":
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "sp"))
-        sp, cp = mesh["sp"].get_group(), mesh["cp"].get_group()
-        return dict(ulysses_group=sp, context_group=cp), dict(group=sp, context_group=cp)
-    if how == "ulysses":
-        return dict(ulysses_group=dist.group.WORLD), dict(group=dist.group.WORLD)
-    return dict(context_group=dist.group.WORLD), dict(context_group=dist.group.WORLD)
-
-
 def _shard_boundaries_worker(rank, world, name, how):
     """What DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False) gives, sliced:
     each rank's ids beside the whole row's cu_seq_lens_q/k and max_length_q/k, no position ids. The positions
@@ -334,7 +321,7 @@ def _shard_boundaries_worker(rank, world, name, how):
     want = ref(input_ids=ids, attention_mask=mask).logits
     (want * weights * mask[..., None]).sum().backward()
     model = tiny_model(name, num_key_value_heads=2)
-    patch_kw, split = _layout(how)
+    patch_kw, split = sequence_groups(how)
     tfcompat.patch(model, **patch_kw)
     model.train()
     local_ids = slice_for_rank(pk.input_ids, dim=1, **split)

@@ -22,7 +22,7 @@ from tfcompat.errors import TfcompatError
 from tfcompat.packing import pack, packed, unpack
 from tfcompat.ulysses import gather_from_ranks, slice_for_rank
 
-from _dist import assert_ok, merged, run_cases, spawn
+from _dist import assert_ok, merged, run_cases, sequence_groups, spawn
 from _helpers import patchable
 from _models import padded, tiny_model, tiny_sequence
 
@@ -39,18 +39,6 @@ PRELOAD_FAMILIES = NAMES
 EXAMPLES = int(os.environ.get("TFCOMPAT_SP_FUZZ_EXAMPLES", "60"))
 
 
-def _groups(how):
-    if how == "2x2":
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "sp"))
-        sp, cp = mesh["sp"].get_group(), mesh["cp"].get_group()
-        return dict(ulysses_group=sp, context_group=cp), dict(group=sp, context_group=cp)
-    if how == "ulysses":
-        return dict(ulysses_group=dist.group.WORLD), dict(group=dist.group.WORLD)
-    return dict(context_group=dist.group.WORLD), dict(context_group=dist.group.WORLD)
-
-
 def _example(name, how, whole, embeds, source, labels, lengths, counts):
     if os.environ.get("TFCOMPAT_TEST_VERBOSE"):
         print(f"[rank {dist.get_rank()} {time.strftime('%X')}] {name} {how} whole={whole} embeds={embeds} "
@@ -64,7 +52,7 @@ def _example(name, how, whole, embeds, source, labels, lengths, counts):
     with torch.no_grad():
         want = plain(input_ids=ids, attention_mask=mask).logits
     model = tiny_model(name, num_key_value_heads=2)
-    patch_kw, split = _groups(how)
+    patch_kw, split = sequence_groups(how)
     tfcompat.patch(model, slice_inputs=whole, **patch_kw)
     n = pk.input_ids.shape[1]
     cut = (lambda x, dim=1: x) if whole else (lambda x, dim=1: slice_for_rank(x, dim=dim, **split))

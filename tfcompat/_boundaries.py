@@ -78,96 +78,6 @@ def mask_valid(mask, n):
     return None if bool(valid.all()) else valid
 
 
-def _fingerprint(ref, position_ids):
-    """Two numbers that differ between a rank's slice and its neighbour's (weighted sums of the ids, or of the
-    first embedding channel, and of the positions); equal on every rank only when every rank holds one row."""
-    import torch
-
-    n = ref.shape[1]
-    w = torch.arange(1, n + 1, dtype=torch.float64, device=ref.device)
-    first = ref[0] if ref.dim() == 2 else ref[0, :, 0]
-    pos = position_ids.reshape(-1, n).to(torch.float64) @ w if position_ids is not None and \
-        position_ids.shape[-1] == n else torch.zeros(1, dtype=torch.float64, device=ref.device)
-    return torch.stack(((first.detach().to(torch.float64) @ w), pos.sum()))
-
-
-def check_shards(state, groups, local, batch, ref=None, position_ids=None, whole=False, named=False):
-    """:func:`check_ulysses_lengths` over each of the model's sequence groups, decided alike on every rank of
-    their mesh: on a 2-D mesh (context x Ulysses) one group can see a problem its crossing groups cannot, so a
-    one-float all-reduce over each group carries any refusal to every rank (none would wait in a collective for
-    a peer that stopped). ``named``: the call names the whole row's boundaries (their length is checked)."""
-    import torch
-    import torch.distributed as dist
-
-    groups = list(groups)
-    errors = [check_ulysses_lengths(local, batch, g, state, ref, position_ids, whole, named, raise_=False)
-              for g in groups]
-    mine = next((e for e in errors if e is not None), None)
-    if len(groups) > 1:
-        flag = torch.tensor([0.0 if mine is None else 1.0], device=ref.device if ref is not None else None)
-        if dist.get_backend(groups[0]) == "nccl":
-            flag = flag.cuda()
-        for g in groups:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=g)
-        if mine is None and float(flag) > 0:
-            mine = UlyssesError(f"tfcompat {state.family}: another rank of the sequence-parallel mesh refused this "
-                                f"step (its error says why); every rank stops with it")
-    if mine is not None:
-        raise mine
-
-
-def check_ulysses_lengths(local, batch, group, state, ref=None, position_ids=None, whole=False, named=False,
-                          raise_=True):
-    """Every rank holds an equal slice (or, with ``whole``, the same whole row); one small collective per step.
-    ``named``: the call names the whole row's boundaries, whose length tells a slice from a whole row (slices
-    of equal content, e.g. the same sequence twice, are no mistake then). Without ``raise_``, the error is
-    returned (None when there is none)."""
-    try:
-        _check_ulysses_lengths(local, batch, group, state, ref, position_ids, whole, named)
-    except UlyssesError as exc:
-        if raise_:
-            raise
-        return exc
-    return None
-
-
-def _check_ulysses_lengths(local, batch, group, state, ref, position_ids, whole, named):
-    import torch
-    import torch.distributed as dist
-
-    if batch != 1:
-        raise UlyssesError(f"tfcompat {state.family}: Ulysses needs one packed row per rank (batch 1), got batch "
-                           f"{batch}; pack the micro-batch (tfcompat.packing.pack) before slicing it")
-    mine = torch.tensor([float(local)], dtype=torch.float64, device=ref.device if ref is not None else None)
-    if ref is not None:
-        mine = torch.cat((mine, _fingerprint(ref, position_ids).to(mine.device)))
-    if dist.get_backend(group) == "nccl":
-        mine = mine.cuda()
-    seen = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(seen, mine, group=group)  # equal shapes on every rank
-    lengths = [int(x[0]) for x in seen]
-    if len(set(lengths)) != 1:
-        what = "the whole row" if whole else "an equal slice"
-        raise UlyssesError(f"tfcompat {state.family}: Ulysses ranks hold {lengths} tokens; every rank must hold "
-                           f"{what}; " + ("pass the same packed row on every rank (patched with slice_inputs=True)"
-                                          if whole else "cut the row with tfcompat.ulysses.slice_for_rank (it pads "
-                                                        "the end)"))
-    if ref is None or len(seen) < 2:
-        return
-    same = all(torch.equal(seen[0], x) for x in seen[1:])
-    if whole and not same:
-        raise UlyssesError(f"tfcompat {state.family}: the model was patched with slice_inputs=True, so every rank "
-                           f"passes the whole packed row and the model keeps its own slice; the ranks passed "
-                           f"different rows of {local} tokens; pass the same row (ids, positions, pixels) on every "
-                           f"rank, or patch without slice_inputs and pass each rank's slice")
-    if not whole and same and not named:
-        raise UlyssesError(f"tfcompat {state.family}: every Ulysses rank passed the same {local} tokens and "
-                           f"positions: a whole row, not this rank's slice, so no rank would split the work; "
-                           f"patch with tfcompat.patch(model, ulysses_group=group, slice_inputs=True) to pass the "
-                           f"whole row (the model slices it after embedding, as verl's VLM call expects), or cut "
-                           f"the row per rank (tfcompat.ulysses.slice_for_rank / slice_inputs)")
-
-
 def positions_of(cu, total, device):
     """Position ids (1, total) that count from 0 in every sequence of ``cu`` (one sequence when None)."""
     import torch
@@ -178,35 +88,6 @@ def positions_of(cu, total, device):
     cu = cu.to(device=device, dtype=torch.int64)
     seq = torch.searchsorted(cu[1:], idx, right=True).clamp(max=cu.numel() - 2)
     return (idx - cu[seq])[None]
-
-
-def slice_whole_row(module, state, a, explicit):
-    """``slice_inputs=True``: the text model got the whole packed row on every rank (verl's VLM call); embed it
-    (if ids) and keep this rank's slice of the embeddings, positions and Qwen3-VL's vision rows."""
-    from .ulysses import slice_inputs
-
-    embeds = a.get("inputs_embeds")
-    if embeds is None:
-        embeds = module.get_input_embeddings()(a["input_ids"])
-    batch, total = embeds.shape[:2]
-    position_ids = a.get("position_ids")
-    if position_ids is None:
-        cu = explicit.get("cu_seq_lens_q", explicit.get("cu_seq_lens_k"))
-        position_ids = positions_of(cu, total, embeds.device)
-    if position_ids.shape[-1] != total:
-        raise UlyssesError(f"tfcompat {state.family}: position ids of shape {tuple(position_ids.shape)} for a whole "
-                           f"row of {total} tokens; pass the whole row's positions on every rank")
-    mask = a.get("attention_mask")
-    if mask is not None and hasattr(mask, "dim") and mask.dim() == 2 and not bool(mask.bool().all()):
-        raise UlyssesError(f"tfcompat {state.family}: a whole row with padding in attention_mask; pack the rows "
-                           f"(tfcompat.packing.pack) and pass the packed row with no mask")
-    check_shards(state, state.split().values(), total, batch, embeds, position_ids, whole=True)
-    extra = {k: a.get(k) for k in ("visual_pos_masks", "deepstack_visual_embeds") if a.get(k) is not None}
-    local = slice_inputs(embeds, position_ids, **state.split(), **extra)
-    a.update(local, input_ids=None, attention_mask=None)
-    if "cache_position" in a:
-        a["cache_position"] = None  # upstream counts it from the slice
-    return a
 
 
 def check_position_shape(family, position_ids, batch, local):
@@ -283,47 +164,6 @@ def explicit_cu(explicit):
     if cu is None and _packing.current() is not None:
         cu = _packing.current()[0]
     return cu
-
-
-def shard_positions(state, explicit, position_ids, local, device, rows=2):
-    """A sequence-parallel shard (this rank's slice of one packed row) with the whole row's boundaries: the
-    slice of the positions counted from 0 in every sequence of them (the flattening collator's
-    ``return_position_ids=False`` output, sliced), in ``rows`` rows (2: ``(1, local)``, 3: mRoPE's ``(3, 1,
-    local)``); given positions are checked against them instead. The positions as the call should have them
-    (None when the call names no boundaries)."""
-    import torch
-
-    from .ulysses import slice_for_rank
-
-    cu = explicit_cu(explicit)
-    if cu is None:
-        return position_ids
-    if explicit.get("seq_idx") is not None:
-        raise PackingError(f"tfcompat {state.family}: seq_idx on a sequence-parallel shard: this rank's slice of it "
-                           f"cannot say where the whole row's sequences begin; pass the whole row's "
-                           f"cu_seq_lens_q/cu_seq_lens_k (or this rank's slice of its position ids) instead")
-    if cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point:
-        return position_ids  # make_step names what is wrong with it
-    split = state.split()
-    n = int(cu[-1])
-    index = slice_for_rank(torch.arange(n, device=device)[None], dim=1, pad_value=-1, **split)
-    if index.shape[-1] != local:
-        raise PackingError(f"tfcompat {state.family}: cu_seq_lens_q ends at {n} tokens: that row, sliced over the "
-                           f"sequence-parallel ranks (tfcompat.ulysses.slice_for_rank), gives {index.shape[-1]} "
-                           f"tokens per rank, but this rank holds {local}; pass the boundaries of the row you "
-                           f"sliced")
-    want = slice_for_rank(positions_of(cu, n, device), dim=1, **split)
-    if position_ids is None:
-        return want if rows == 2 else want[None].expand(3, 1, local)
-    text = text_row(position_ids)
-    real = index[0] >= 0
-    if text is not None and not torch.equal(text[0][real].to(want.dtype), want[0][real]):
-        raise PackingError(f"tfcompat {state.family}: this rank's position ids do not count from 0 in every "
-                           f"sequence of cu_seq_lens_q {cu.tolist()} (its slice of them is {want[0].tolist()}, "
-                           f"given {text[0].tolist()}); RoPE and attention would disagree about where sequences "
-                           f"begin; slice the positions of the same packing, or pass none (tfcompat builds them "
-                           f"from cu_seq_lens_q)")
-    return position_ids
 
 
 def find_step(state, group, explicit, position_ids, mask, batch, local, device):

@@ -5,7 +5,7 @@ mixers. Each is a module-level function of ``(module, *args, **kwargs)``, instal
 
 from __future__ import annotations
 
-from . import _boundaries, _resolve
+from . import _boundaries, _resolve, _shards
 from ._install import (
     _ATTR,
     _CACHE_NAMES,
@@ -64,15 +64,14 @@ def _text_model_forward(self, *args, **kwargs):
     split = state.split()  # the sequence groups: Ulysses, context parallel, or both
     group = next(iter(split.values()), None)  # not None: the row is split over ranks
     if split and state.slice_inputs:
-        a = _boundaries.slice_whole_row(self, state, a, explicit)
+        a = _shards.slice_whole_row(self, state, a, explicit)
         ref = a["inputs_embeds"]
-    else:
+    elif split:  # this rank's slice; beside the whole row's boundaries its positions come from them
         named = _boundaries.explicit_cu(explicit) is not None
-        _boundaries.check_shards(state, split.values(), ref.shape[1], ref.shape[0], ref, a.get("position_ids"),
-                                 named=named)
-        if split:  # this rank's slice beside the whole row's boundaries: its positions come from them
-            a["position_ids"] = _boundaries.shard_positions(state, explicit, a.get("position_ids"), ref.shape[1],
-                                                            ref.device)
+        _shards.check_shards(state, split.values(), ref.shape[1], ref.shape[0], ref, a.get("position_ids"),
+                             named=named)
+        a["position_ids"] = _shards.shard_positions(state, explicit, a.get("position_ids"), ref.shape[1],
+                                                    ref.device)
     batch, local = ref.shape[0], ref.shape[1]
     position_ids = _boundaries.check_position_shape(state.family, a.get("position_ids"), batch, local)
     changed = {}
@@ -278,7 +277,7 @@ def _vl_shard(self, state, a, pixels):
         explicit = scope[1] if scope is not None and scope[0] == "explicit" else {}
         ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
         if ref is not None:
-            a["position_ids"] = _boundaries.shard_positions(state, explicit, None, ref.shape[1], ref.device, rows=3)
+            a["position_ids"] = _shards.shard_positions(state, explicit, None, ref.shape[1], ref.device, rows=3)
         if ref is not None and a["position_ids"] is None:
             raise UlyssesError(
                 f"tfcompat {state.family}: this rank's slice of the row with no position ids: upstream would count "
