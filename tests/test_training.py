@@ -722,3 +722,93 @@ def test_no_per_layer_host_syncs(name):
     # on CPU the per-step validation reads boundaries with .tolist(), which dispatches no scalar op, so the
     # count may be 0; a per-layer int(tensor) / .item() / bool(tensor) would make it grow with the layers
     assert counts[0] == counts[1], f"tfcompat's host syncs grow with the layers: {counts} for 2 and 4 layers"
+
+
+def _count_syncs():
+    """A dispatch mode counting the host syncs tfcompat's own code causes (aten._local_scalar_dense, attributed
+    by the innermost frame outside torch)."""
+    import os
+    import sys
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    package = os.path.dirname(tfcompat.__file__) + os.sep
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+
+    class Count(TorchDispatchMode):
+        syncs = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                frame = sys._getframe(1)
+                while frame is not None and frame.f_code.co_filename.startswith(torch_dir):
+                    frame = frame.f_back
+                if frame is not None and frame.f_code.co_filename.startswith(package):
+                    self.syncs += 1
+            return func(*args, **(kwargs or {}))
+
+    return Count()
+
+
+@pytest.mark.parametrize("name", VISION)
+def test_vision_check_syncs_once_per_step(name):
+    """A packed row with images: the vision-boundary check reads the boundaries on the device and syncs once per
+    step, not once per sequence (a row of 2 sequences and one of 6 cause the same count)."""
+    model = tiny_model(name)
+    tfcompat.patch(model)
+    counts = []
+    for extra in (0, 4):
+        rows = [tiny_sequence(name, text=5, image=True)] + [tiny_sequence(name, text=3)] * (1 + extra)
+        ids, mask = padded(rows)
+        pixels = tiny_pixels(1)
+        pk = pack(ids, mask, three_d_positions(model, ids, mask, pixels), vision=True)
+        with torch.no_grad(), _count_syncs() as count:
+            model(input_ids=pk.input_ids, position_ids=pk.position_ids, cu_seq_lens_q=pk.cu_seqlens,
+                  max_length_q=pk.max_seqlen, **forward_kwargs(model, pk.input_ids, **pixels))
+        counts.append(count.syncs)
+    assert counts[0] == counts[1], f"tfcompat's host syncs grow with the sequences of a VL row: {counts} for 2 and 6"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_per_layer_calls(name):
+    """Per layer of a packed step, tfcompat's Python runs at most 12 function calls and no inspect call: the
+    layers read their arguments, the step and what patch time bound (the rotation is prepared once per step).
+    Counted with sys.setprofile over one forward at 2 and 6 layers; the difference / 4 is per layer."""
+    import os
+    import sys
+
+    package = os.path.dirname(tfcompat.__file__) + os.sep
+    ids, mask, _ = _batch(name, False)
+    pk = pack(ids, mask, vision=SPECS[name].vision)
+    counts = []
+    for layers in (2, 6):
+        kw = {"num_hidden_layers": layers}
+        if linear_attention(name):
+            kw["layer_types"] = ["linear_attention", "full_attention"] * (layers // 2)
+        model = tiny_model(name, **kw)
+        tfcompat.patch(model)
+        call = dict(input_ids=pk.input_ids, position_ids=pk.position_ids, cu_seq_lens_q=pk.cu_seqlens,
+                    max_length_q=pk.max_seqlen, use_cache=False)
+        with torch.no_grad():
+            model(**call)  # first use: probes and imports
+        seen = {"tfcompat": 0, "inspect": 0}
+
+        def profile(frame, event, arg, seen=seen):
+            if event == "call":
+                path = frame.f_code.co_filename
+                if path.startswith(package):
+                    seen["tfcompat"] += 1
+                elif path.endswith(os.sep + "inspect.py"):
+                    seen["inspect"] += 1
+
+        with torch.no_grad():
+            sys.setprofile(profile)
+            try:
+                model(**call)
+            finally:
+                sys.setprofile(None)
+        counts.append(dict(seen))
+    per_layer = {k: (counts[1][k] - counts[0][k]) / 4 for k in counts[0]}
+    limit = 12 if not linear_attention(name) else 12 + 6  # a linear mixer's layer: one call per packed sequence
+    assert per_layer["tfcompat"] <= limit, f"{name}: {per_layer['tfcompat']} tfcompat calls per layer ({counts})"
+    assert per_layer["inspect"] == 0, f"{name}: {per_layer['inspect']} inspect calls per layer ({counts})"

@@ -333,10 +333,13 @@ def check_vision_in_packed_row(owner, family, a, explicit):
     cu = explicit.get("cu_seq_lens_q", explicit.get("cu_seq_lens_k"))
     if cu is None and _packing.current() is not None:
         cu = _packing.current()[0]
+    n = ids.shape[-1]
     if isinstance(cu, torch.Tensor) and cu.device.type != "meta" and cu.dim() == 1:
-        starts = [int(x) for x in cu.tolist()[1:-1]]
+        inner = cu[1:-1].to(device=ids.device, dtype=torch.long)
+        slot = torch.where((inner > 0) & (inner < n), inner, n)  # a boundary outside the row: the spare slot n
+        start = torch.zeros(n + 1, dtype=torch.bool, device=ids.device).index_fill(0, slot, True)[:n]
     elif text is not None:
-        valid = mask_valid(a.get("attention_mask"), ids.shape[-1])
+        valid = mask_valid(a.get("attention_mask"), n)
         if isinstance(valid, str):
             return  # a 4-D mask (or a cache's longer one) says itself what attends: upstream's own path
         if valid is not None:  # one prompt with padding (generate(), assisted decoding): not a packed row
@@ -345,18 +348,21 @@ def check_vision_in_packed_row(owner, family, a, explicit):
                                    f"attention_mask has padding in the row; drop the padding "
                                    f"(tfcompat.packing.pack does) or pass no mask")
             return
-        starts = starts_of(text[0], None, "position ids")[1:]
+        start = torch.cat((text[0][:1] != text[0][:1], text[0][1:] == 0))  # a sequence begins at position 0
     else:
         return
-    if position_ids is not None and position_ids.dim() == 2 and starts:
+    vision = mm_token_type_ids(owner.config, ids)[0] != 0
+    inside = start & vision & torch.cat((vision[:1] & False, vision[:-1]))
+    # one host sync for the whole check: whether the row restarts anywhere, and the first start inside a run
+    # of placeholder tokens (-1: none)
+    restarts, first = torch.stack((start.any().long(), torch.where(inside.any(), inside.long().argmax(), -1))).tolist()
+    if position_ids is not None and position_ids.dim() == 2 and restarts:
         raise PackingError(
             f"tfcompat {family}: a packed row with images or videos and 2-D position ids: the vision tokens "
             f"would get text positions; pass the mRoPE ids (tfcompat.embeds.rope_index) to "
             f"tfcompat.packing.pack(..., config=model.config), which builds 4-row ids")
-    types = mm_token_type_ids(owner.config, ids)[0]
-    inside = [b for b in starts if 0 < b < types.shape[0] and bool(types[b - 1] != 0) and bool(types[b] != 0)]
-    if inside:
+    if first >= 0:
         raise PackingError(
-            f"tfcompat {family}: a sequence of the packed row starts at token {inside[0]}, inside the "
+            f"tfcompat {family}: a sequence of the packed row starts at token {first}, inside the "
             f"placeholder tokens of an image or video; every image and video must lie within one sequence; "
             f"check the boundaries (cu_seq_lens_q or the text row of the position ids)")

@@ -296,14 +296,30 @@ def _rotary_forward(self, *args, **kwargs):
 
         check_cos(state.family, *out)  # once per step: the per-layer rotation trusts this layout
         out = _Carried(out)
-        out.step = scope[1]
+        out.step, out.rotations = scope[1], {}
     return out
+
+
+def _carried(args, kwargs):
+    """The step's carrier among a layer's arguments (keyword ``position_embeddings`` first), or None."""
+    pe = kwargs.get("position_embeddings")
+    if isinstance(pe, _Carried):
+        return pe
+    for v in args:
+        if isinstance(v, _Carried):
+            return v
+    for v in kwargs.values():
+        if isinstance(v, _Carried):
+            return v
+    return None
 
 
 def _layer_forward(self, *args, **kwargs):
     state = getattr(self, _ATTR)
-    step = next((v.step for v in (*args, *kwargs.values()) if isinstance(v, _Carried)), None)
-    if step is None:
+    pe = kwargs.get("position_embeddings")
+    if not isinstance(pe, _Carried):
+        pe = _carried(args, kwargs)
+    if pe is None:
         if _in_step():
             raise TfcompatError(
                 f"tfcompat {state.family}: {type(self).__name__} did not receive the position embeddings of this "
@@ -312,11 +328,12 @@ def _layer_forward(self, *args, **kwargs):
                 f"tfcompat.enable_checkpointing); if nothing wraps it, this transformers release passes them "
                 f"differently: please report it (transformers {_resolve._version.transformers_version()})")
         return _original(self, state, *args, **kwargs)
-    if getattr(state, "linear_child", False):
-        args, kwargs = _with_step_mask(self, step, args, kwargs)
+    if state.linear_child:
+        args, kwargs = _with_step_mask(self, pe.step, args, kwargs)
     # the step rides in the call's own arguments (the position embeddings, the linear mixers' mask): whoever
     # checkpoints the layer (transformers' switch on any release, torch's wrappers) replays them as they are
-    return _original(self, state, *args, **kwargs)
+    saved = state.saved_forward
+    return saved(*args, **kwargs) if saved is not None else type(self).forward(self, *args, **kwargs)
 
 
 def _with_step_mask(layer, step, args, kwargs):
@@ -349,27 +366,26 @@ def _lost_step(state, module, what):
 
 # ------------------------------------------------------------------------------- attention
 def _attention_forward(self, *args, **kwargs):
+    """Every layer of a packed step runs this: it reads its arguments, the step (on the position embeddings) and
+    what patch time bound (``state``); the rotation is prepared once per step (:func:`._rotation.for_layers`)."""
     import torch
 
     state = getattr(self, _ATTR)
-    a = _arguments(self, args, kwargs)
-    if a is None:
-        return _original(self, state, *args, **kwargs)
-    pe = a.get("position_embeddings")
-    step = pe.step if isinstance(pe, _Carried) else None
-    if step is None:
-        if _in_step():
-            raise _lost_step(state, self, "the position embeddings")
-        if (state.split() or state.group_lost) and not any(a.get(n) is not None for n in _CACHE_NAMES):
-            raise UlyssesError(f"tfcompat {state.family}: a Ulysses- or context-parallel-patched attention was called "
-                               f"outside a patched text model step; call the model (or its text model), not the layer")
-        return _original(self, state, *args, **kwargs)  # not packed: upstream, unchanged
-    hidden = a["hidden_states"]
-    if pe is None or hidden.shape[0] != 1:
-        raise TfcompatError(f"tfcompat {state.family}: the packed attention needs position_embeddings and batch 1, "
-                            f"got {'no position embeddings' if pe is None else f'batch {hidden.shape[0]}'}")
-    group = state.group_or_raise()
+    pe = kwargs.get("position_embeddings")
+    if not isinstance(pe, _Carried):
+        pe = _carried(args, kwargs)
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if pe is None or hidden is None:
+        return _attention_unpacked(self, state, args, kwargs)
+    step = pe.step
+    if hidden.shape[0] != 1:
+        raise TfcompatError(f"tfcompat {state.family}: the packed attention needs batch 1, got batch "
+                            f"{hidden.shape[0]}")
+    if state.group_lost:
+        state.group_or_raise()
+    group = state.group
 
+    from ._rotation import for_layers
     from .rope import rotate
     from .varlen import _varlen
 
@@ -387,10 +403,15 @@ def _attention_forward(self, *args, **kwargs):
     if getattr(self, "q_norm", None) is not None:
         q, k = self.q_norm(q), self.k_norm(k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
-    cos, sin = pe
     # out of place: a projection output (or a norm's) may be saved by selective activation checkpointing,
     # which a rotation in place would corrupt. cos/sin are this release's own (checked once per step).
-    q, k = rotate(q, k, cos, sin, state.family, state.section, state.rope)
+    if torch.compiler.is_compiling():  # traced: the plain path, nothing kept between layers
+        q, k = rotate(q, k, pe[0], pe[1], state.family, state.section, state.rope)
+    else:
+        rot = pe.rotations.get((q.dtype, q.shape, k.shape, q.stride(), k.stride()))
+        if rot is None:
+            rot = for_layers(pe, q, k, state.family, state.section, state.rope)
+        q, k = rot(q, k)
     q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0]
     dropout = self.attention_dropout if self.training else 0.0
     scale = getattr(self, "scaling", None) or d ** -0.5
@@ -424,6 +445,19 @@ def _attention_forward(self, *args, **kwargs):
         out = out * torch.sigmoid(gate)
     out = self.o_proj(out)
     return (out, None, None) if plan.returns == 3 else (out, None)
+
+
+def _attention_unpacked(self, state, args, kwargs):
+    """Not a packed step: upstream's attention, unchanged (a sequence-parallel one only inside a step)."""
+    if _in_step():
+        raise _lost_step(state, self, "the position embeddings")
+    if state.split() or state.group_lost:
+        a = _arguments(self, args, kwargs)
+        if a is not None and not any(a.get(n) is not None for n in _CACHE_NAMES):
+            raise UlyssesError(f"tfcompat {state.family}: a Ulysses- or context-parallel-patched attention was "
+                               f"called outside a patched text model step; call the model (or its text model), "
+                               f"not the layer")
+    return _original(self, state, *args, **kwargs)  # not packed: upstream, unchanged
 
 
 # ------------------------------------------------------------------------ linear attention

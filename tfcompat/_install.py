@@ -91,9 +91,11 @@ class _PatchedForward:
 
 
 class _Carried(tuple):
-    """``(cos, sin)`` that also carries the step's boundaries down to the layers."""
+    """``(cos, sin)`` that also carries the step's boundaries down to the layers, and the rotations the layers
+    prepared from them (:func:`._rotation.for_layers`, keyed by the (q, k) layout)."""
 
     step = None
+    rotations = None
 
 
 class _StepMask:

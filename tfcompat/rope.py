@@ -37,21 +37,18 @@ Implementations (``impl=``; the default can be set with the environment variable
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from . import _backends, _resolve
+from . import _resolve
 from ._backends import impl_for
 from ._families import family as _family
+from ._rotation import IMPLS, Rotation, chosen_impl, upstream
 from .errors import ConfigError, RopeShapeError
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["apply_rope", "apply_rope_", "prepare", "impl_for", "IMPLS"]
-
-IMPLS = ("auto", "native", "composite", "triton", "upstream")
-
 
 def prepare(config_or_model_type: Any) -> _resolve.Resolution:
     """Resolve everything apply_rope needs for a family now, e.g. before ``torch.compile``.
@@ -63,14 +60,6 @@ def prepare(config_or_model_type: Any) -> _resolve.Resolution:
     res = _resolve.resolve("rope.apply", fam.name)
     _ = res.target  # the upstream function, imported now: a compiled region must not import
     return res
-
-
-def _impl(impl):
-    chosen = impl if impl is not None else os.environ.get("TFCOMPAT_ROPE_IMPL", "auto")
-    if chosen not in IMPLS:
-        source = "impl=" if impl is not None else "TFCOMPAT_ROPE_IMPL="
-        raise ConfigError(f"apply_rope: {source}{chosen!r} is not one of {', '.join(IMPLS)}")
-    return chosen
 
 
 def _section(fam, config, mrope_section, plan, cos):
@@ -167,7 +156,7 @@ def _rotates_part(res):
         rows = (3,) if res.plan.cos_rows == 3 else ()
         cos = torch.zeros(*rows, 1, 2, 4)
         try:
-            out = _upstream(res, q, q, cos, cos, (2, 0, 0), 1)
+            out = upstream(res, q, q, cos, cos, (2, 0, 0), 1)
             _PARTIAL[key] = tuple(out[0].shape) == (1, 1, 2, 8)
         except (RuntimeError, ValueError, IndexError, TypeError):
             _PARTIAL[key] = False
@@ -226,91 +215,6 @@ def _prepare(q, k, cos, sin, config, model_type, mrope_section, unsqueeze_dim):
     return fam, res, seq_dim
 
 
-def _compiling():
-    import torch
-
-    return torch.compiler.is_compiling()
-
-
-def _triton_for(fam, q):
-    mod = _backends.triton_kernels()
-    if isinstance(mod, str):
-        raise ConfigError(f"apply_rope for {fam.name}: impl='triton' but {mod}")
-    if q.device.type != "cuda" and not (q.device.type == "cpu" and mod.interpreted()):
-        raise ConfigError(f"apply_rope for {fam.name}: impl='triton' runs on CUDA tensors, q is on {q.device}; "
-                          f"on CPU Triton runs only in its interpreter (TRITON_INTERPRET=1 set before triton is "
-                          f"imported: slow, for tests); use impl='native' there")
-    return mod
-
-
-def _rotate(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace, impl):
-    from ._kernels import rope as kernels
-
-    plan = res.plan
-    rotation = plan.rotation
-    if rotation == "deinterleave":
-        # DeepSeek/MLA layout (rope_interleave): adjacent pairs in, halves out = a permutation, then NeoX
-        width = cos.shape[-1]
-        if width != q.shape[-1] or width != k.shape[-1]:
-            raise RopeShapeError(f"apply_rope for {fam.name}: the interleaved (MLA) rotary rotates the whole head, "
-                                 f"so cos width {width} must equal q's and k's head_dim "
-                                 f"({q.shape[-1]}, {k.shape[-1]}); "
-                                 f"pass the rotary part of q and k (qk_rope_head_dim)")
-    explicit = impl != "auto"
-    if impl == "auto":
-        impl = impl_for(q.device)
-    grad_trig = cos.requires_grad or sin.requires_grad
-    if grad_trig and rotation == "deinterleave":
-        # cos/sin hold cat(freqs, freqs); which half their gradient lands in is the release's formula (5.24
-        # reads the first half only, earlier releases both): upstream's own function, so it lands the same
-        return _upstream(res, q, k, cos, sin, section, unsqueeze_dim)
-    if impl == "triton":
-        mod = _triton_for(fam, q)
-        if not (_compiling() or grad_trig) and mod.fits(q, k, cos, seq_dim, section):
-            layout = mod.Layout(rotation, plan.gptj_cos, section)
-            # first use in this process for this (device, dtype, layout) proves the kernel against the composite
-            if mod.proven(q, k, cos, sin, layout, seq_dim, inplace, rotation, plan.gptj_cos, explicit):
-                return mod.rope(q, k, cos, sin, layout, seq_dim, inplace=inplace)
-        # traced by torch.compile / differentiated through cos and sin / q and k of different batches or
-        # dtypes (upstream broadcasts them) / the kernel failed its first-use proof under auto: the composite
-        # computes what upstream does
-        impl = "composite"
-    if plan.cos_rows == 3:
-        cos = kernels.fold_contiguous(cos, section)
-        sin = kernels.fold_contiguous(sin, section)
-    if cos.dtype != q.dtype:
-        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-    if impl == "composite" or _compiling() or grad_trig:
-        # under torch.compile the plain formula is traced and fused by the compiler; with cos/sin that need
-        # gradients autograd differentiates it
-        oq, ok = kernels.compact(q, k, cos, sin, rotation, plan.gptj_cos, unsqueeze_dim)
-        if inplace and not grad_trig:  # the composite's backward needs neither old q nor old k
-            return q.copy_(oq), k.copy_(ok)
-        return oq, ok
-    if rotation == "deinterleave":
-        q, k = kernels.deinterleave(q, inplace), kernels.deinterleave(k, inplace)
-        rotation = "neox"
-    if rotation == "gptj" and not (kernels.complex_viewable(q) and kernels.complex_viewable(k)):
-        # pairs a complex view cannot see (an odd head_dim or slice offset, a last stride other than 1): the
-        # composite computes upstream's products on any strides
-        oq, ok = kernels.compact(q, k, cos, sin, rotation, plan.gptj_cos, unsqueeze_dim)
-        return (q.copy_(oq), k.copy_(ok)) if inplace else (oq, ok)
-    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
-    trig = kernels.Trig(cos, sin, rotation, plan.gptj_cos)
-    return (kernels.rotate(q, cos, sin, trig, seq_dim, inplace=inplace),
-            kernels.rotate(k, cos, sin, trig, seq_dim, inplace=inplace))
-
-
-def _upstream(res, q, k, cos, sin, section, unsqueeze_dim):
-    if res.plan.cos_rows == 3:
-        return res.target(q, k, cos, sin, list(section or ()), unsqueeze_dim=unsqueeze_dim)
-    if res.plan.single:
-        return (res.target(q, cos, sin, unsqueeze_dim=unsqueeze_dim),
-                res.target(k, cos, sin, unsqueeze_dim=unsqueeze_dim))
-    return res.target(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
-
-
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, config: Any = None,
                model_type: Optional[str] = None, mrope_section: Optional[Sequence[int]] = None, unsqueeze_dim: int = 1,
                impl: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -338,17 +242,17 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     """
     fam, res, seq_dim = _prepare(q, k, cos, sin, config, model_type, mrope_section, unsqueeze_dim)
     section = _section(fam, config, mrope_section, res.plan, cos) if res.plan.cos_rows == 3 else None
-    chosen = _impl(impl)
+    chosen = chosen_impl(impl)
     if seq_dim is None:  # another call shape: upstream's own formula, or its refusal as a clear error
         try:
-            return _upstream(res, q, k, cos, sin, section, unsqueeze_dim)
+            return upstream(res, q, k, cos, sin, section, unsqueeze_dim)
         except (ValueError, RuntimeError, IndexError, TypeError) as exc:
             raise RopeShapeError(
                 f"apply_rope for {fam.name}: transformers {res.transformers}'s own rotary function cannot take q "
                 f"{tuple(q.shape)} and k {tuple(k.shape)} with cos {tuple(cos.shape)} ({type(exc).__name__}: "
                 f"{exc}); pass q and k as (batch, heads, seq, head_dim)") from None
     if chosen == "upstream":
-        return _upstream(res, q, k, cos, sin, section, unsqueeze_dim)
+        return upstream(res, q, k, cos, sin, section, unsqueeze_dim)
     import torch
 
     # mixed dtypes: upstream's products promote (bf16 q with fp32 cos gives fp32), so tfcompat rotates in the
@@ -356,9 +260,9 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     if not q.dtype == k.dtype == cos.dtype == sin.dtype:
         dq = torch.promote_types(torch.promote_types(q.dtype, cos.dtype), sin.dtype)
         if dq != torch.promote_types(torch.promote_types(k.dtype, cos.dtype), sin.dtype):
-            return _upstream(res, q, k, cos, sin, section, unsqueeze_dim)
+            return upstream(res, q, k, cos, sin, section, unsqueeze_dim)
         q, k, cos, sin = q.to(dq), k.to(dq), cos.to(dq), sin.to(dq)
-    return _rotate(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace=False, impl=chosen)
+    return Rotation(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, False, chosen)(q, k)
 
 
 def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, model_type: str,
@@ -369,10 +273,7 @@ def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     hot path of every layer."""
     fam = _family(model_type)
     res = resolution if resolution is not None else _resolve.resolve("rope.apply", fam.name)
-    chosen = _impl(None)
-    if chosen == "upstream":
-        return _upstream(res, q, k, cos, sin, mrope_section, 1)
-    return _rotate(q, k, cos, sin, fam, res, 2, 1, mrope_section, inplace=False, impl=chosen)
+    return Rotation(q, k, cos, sin, fam, res, 2, 1, mrope_section, False, chosen_impl(None))(q, k)
 
 
 def check_cos(model_type: str, cos: Any, sin: Any) -> None:
@@ -418,7 +319,7 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     ``impl`` as for :func:`apply_rope`; "upstream" rotates out of place and returns new tensors
     (so ``TFCOMPAT_ROPE_IMPL=upstream`` switches a patched model to upstream's rotary too).
     """
-    chosen = _impl(impl)
+    chosen = chosen_impl(impl)
     fam, res, seq_dim = _prepare(q, k, cos, sin, config, model_type, mrope_section, unsqueeze_dim)
     section = _section(fam, config, mrope_section, res.plan, cos) if res.plan.cos_rows == 3 else None
 
@@ -434,5 +335,5 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
             raise RopeShapeError(f"apply_rope_ for {fam.name}: {name} is a leaf tensor that requires grad; it cannot "
                                  f"be rotated in place; use apply_rope, or pass the projection output")
     if chosen == "upstream":
-        return _upstream(res, q, k, cos, sin, section, unsqueeze_dim)
-    return _rotate(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace=True, impl=chosen)
+        return upstream(res, q, k, cos, sin, section, unsqueeze_dim)
+    return Rotation(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, True, chosen)(q, k)

@@ -106,6 +106,9 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tens
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 @functools.lru_cache(maxsize=None)
 def _torch_varlen():
     """PyTorch's ``varlen_attn`` (torch 2.10+), imported on first use: importing it loads torch._dynamo
@@ -125,7 +128,7 @@ def backend(tensor: Optional[torch.Tensor] = None, dropout_p: float = 0.0) -> st
     "torch_varlen": PyTorch's ``torch.nn.attention.varlen.varlen_attn`` (CUDA, fp16/bf16, no dropout);
     "sdpa": the exact fallback, one fused SDPA call per sequence (every device and dtype).
     """
-    cuda_half = tensor is None or (tensor.is_cuda and tensor.dtype in (torch.float16, torch.bfloat16))
+    cuda_half = tensor is None or (tensor.is_cuda and tensor.dtype in _HALF)
     return _backends.varlen_kernel(dropout_p != 0.0) if cuda_half else "sdpa"
 
 
@@ -187,8 +190,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 
 def _varlen(q, k, v, cu_seqlens, bounds, max_seqlen, *, causal, softmax_scale, window, dropout_p):
-    """Validated inputs: ``bounds`` are cu_seqlens as Python ints (computed once per step by the caller)."""
-    kind = backend(q, dropout_p)
+    """Validated inputs: ``bounds`` are cu_seqlens as Python ints (computed once per step by the caller). Every
+    patched attention layer calls this: CPU tensors go straight to the SDPA path (no helper calls)."""
+    kind = _backends.varlen_kernel(dropout_p != 0.0) if q.is_cuda and q.dtype in _HALF else "sdpa"
     if kind != "sdpa":
         # no host sync: cu goes to the device as int32 (the kernels' documented dtype), max_seqlen is the Python
         # int computed once per step. First use in this process proves the kernel against the SDPA path on a
@@ -231,11 +235,15 @@ def _sdpa_fallback(q, k, v, bounds, scale, causal, window, dropout_p):
     extra = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
     # one split per tensor (heads first): its backward is one concatenation of the per-sequence gradients,
     # where a slice per sequence would allocate and zero-fill a whole-row gradient for each sequence
-    sizes = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
-    parts = zip(*(t.transpose(0, 1).split(sizes, dim=1) for t in (q, k, v)))
+    # (plain loops, no comprehensions: every patched attention layer runs this on CPU)
+    sizes = []
+    for i in range(1, len(bounds)):
+        sizes.append(bounds[i] - bounds[i - 1])
+    qp, kp, vp = q.transpose(0, 1).split(sizes, dim=1), k.transpose(0, 1).split(sizes, dim=1), \
+        v.transpose(0, 1).split(sizes, dim=1)
     outs = []
-    for (qs, ks, vs), n in zip(parts, sizes):
-        qs, ks, vs = qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0)
+    for i, n in enumerate(sizes):
+        qs, ks, vs = qp[i].unsqueeze(0), kp[i].unsqueeze(0), vp[i].unsqueeze(0)
         mask = None
         if window is not None:
             i = torch.arange(n, device=q.device)

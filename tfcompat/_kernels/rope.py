@@ -39,20 +39,9 @@ import torch
 _SLICE_ELEMENTS = 1 << 18
 
 
-def _parts(x, rotation, rd):
-    if rotation == "neox":
-        half = rd // 2
-        return x[..., :half], x[..., half:rd]
-    return x[..., 0:rd:2], x[..., 1:rd:2]
-
-
 def complex_viewable(x):
     """Whether adjacent pairs of x's last dim can be viewed as complex numbers (torch.view_as_complex's rule)."""
     return x.stride(-1) == 1 and x.storage_offset() % 2 == 0 and all(s % 2 == 0 for s in x.stride()[:-1])
-
-
-def _complex_view(x, rd):
-    return torch.view_as_complex(x[..., :rd].unflatten(-1, (rd // 2, 2)))
 
 
 class Trig:
@@ -72,17 +61,16 @@ class Trig:
         else:
             self.parts = (cos[..., 0::2], sin[..., 0::2], cos[..., 1::2], sin[..., 1::2])
         c1, s1, c2, s2 = self.parts
-        self._parts32 = None
         self.freqs = None
         if rotation == "gptj" and (c1 is c2 or (torch.equal(c1, c2) and torch.equal(s1, s2))):
             self.freqs = torch.complex(c1.float(), s1.float()) if c1.dtype != torch.float64 else torch.complex(c1, s1)
+        self._half_parts()
         self._inverse = None
 
-    @property
-    def parts32(self):
-        if self._parts32 is None:
-            self._parts32 = tuple(p.float() for p in self.parts)
-        return self._parts32
+    def _half_parts(self):
+        """Half-precision x is computed through fp32 in cache: its cos/sin parts in fp32, made once here."""
+        half = self.parts[0].dtype in (torch.bfloat16, torch.float16) and self.freqs is None
+        self.parts32 = tuple(p.float() for p in self.parts) if half else self.parts
 
     def inverse(self):
         if self._inverse is None:
@@ -91,45 +79,53 @@ class Trig:
             c1, s1, c2, s2 = self.parts
             # da = ga*c1 + gb*s2 ; db = gb*c2 - ga*s1: the forward kernel with s1 <- -s2, s2 <- -s1
             inv.parts = (c1, -s2, c2, -s1)
-            inv._parts32 = None
             inv.freqs = None if self.freqs is None else self.freqs.conj().resolve_conj()
+            inv._half_parts()
             self._inverse = inv
         return self._inverse
 
 
-def _narrow(t, dim, lo, n):
-    return t if t.shape[dim] == 1 else t.narrow(dim, lo, n)
-
-
 def _run(x, out, trig, seq_dim):
-    """Rotate x into out (out may be x), slice by slice along seq_dim."""
+    """Rotate x into out (out may be x), slice by slice along seq_dim. Written without helper calls or generator
+    expressions: it runs twice per layer (q and k) in every patched attention."""
     rd, rotation = trig.rd, trig.rotation
     length = x.shape[seq_dim]
     step = max(1, _SLICE_ELEMENTS // max(1, x.numel() // max(1, length)))
     inplace = out is x
     fast = trig.freqs is not None
     native_complex = fast and x.dtype in (torch.float32, torch.float64)
+    half_x = x.dtype in (torch.bfloat16, torch.float16)
+    parts, freqs = trig.parts32 if half_x else trig.parts, trig.freqs
+    h = rd // 2
     for lo in range(0, length, step):
         n = min(step, length - lo)
-        xs, os_ = x.narrow(seq_dim, lo, n), out.narrow(seq_dim, lo, n)
+        if n == length:  # one slice: the whole tensor (the usual case below 64k elements per position)
+            xs, os_, f = x, out, freqs
+            c1, s1, c2, s2 = parts
+        else:
+            xs, os_ = x.narrow(seq_dim, lo, n), out.narrow(seq_dim, lo, n)
+            c1, s1, c2, s2, f = [t if t is None or t.shape[seq_dim] == 1 else t.narrow(seq_dim, lo, n)
+                                 for t in (*parts, freqs)]
         if not inplace and rd < x.shape[-1]:
             os_[..., rd:].copy_(xs[..., rd:])
         if native_complex:
-            f = _narrow(trig.freqs, seq_dim, lo, n)
-            torch.mul(_complex_view(xs, rd), f, out=_complex_view(os_, rd))
+            torch.mul(torch.view_as_complex(xs[..., :rd].unflatten(-1, (h, 2))), f,
+                      out=torch.view_as_complex(os_[..., :rd].unflatten(-1, (h, 2))))
             continue
         if fast:
             # bf16/fp16 pairs: through fp32 in cache (one rounding instead of upstream's three)
             t = xs[..., :rd].float()
-            _complex_view(t, rd).mul_(_narrow(trig.freqs, seq_dim, lo, n))
+            torch.view_as_complex(t.unflatten(-1, (h, 2))).mul_(f)
             os_[..., :rd].copy_(t)
             continue
-        oa, ob = _parts(os_, rotation, rd)
-        if x.dtype in (torch.bfloat16, torch.float16):
+        src = xs[..., :rd].float() if half_x else xs
+        if rotation == "neox":
+            a, b, oa, ob = src[..., :h], src[..., h:rd], os_[..., :h], os_[..., h:rd]
+        else:
+            a, b, oa, ob = src[..., 0:rd:2], src[..., 1:rd:2], os_[..., 0:rd:2], os_[..., 1:rd:2]
+        if half_x:
             # half precision: compute the slice in fp32 in cache (faster than half-precision ops on
             # CPU, and one rounding instead of upstream's three), then write it back once
-            c1, s1, c2, s2 = (_narrow(p, seq_dim, lo, n) for p in trig.parts32)
-            a, b = _parts(xs[..., :rd].float(), rotation, rd)
             ra = a * c1
             ra.addcmul_(b, s1, value=-1)
             rb = b * c2
@@ -137,8 +133,6 @@ def _run(x, out, trig, seq_dim):
             oa.copy_(ra)
             ob.copy_(rb)
             continue
-        c1, s1, c2, s2 = (_narrow(p, seq_dim, lo, n) for p in trig.parts)
-        a, b = _parts(xs, rotation, rd)
         if inplace:
             a = a.clone()  # out_b needs the old a after out_a overwrote it
         torch.mul(a, c1, out=oa)
@@ -178,14 +172,42 @@ class _RopeInplace(_Rope):
         return x
 
 
-def compact(q, k, cos, sin, rotation, gptj_cos, unsqueeze_dim):
-    """Both tensors as ``x * cos + swap(x) * signed_sin``: 10-14 dispatched ops per call, no host sync.
+class _RopePair(torch.autograd.Function):
+    """q and k rotated out of place by one Trig in one autograd node (the patched layers' call); backward = the
+    inverse rotation of each gradient."""
 
-    For launch-bound devices without Triton, and under ``torch.compile`` (the compiler fuses it) or
-    when cos/sin need gradients (plain autograd). ``swap`` exchanges the two rotated parts and the
-    sign of the first part's sine is folded into ``signed_sin`` once for q and k: the same products as
-    upstream's ``rotate_half``, so the result equals upstream's in every dtype. cos/sin: folded
-    (batch, seq, rd), cast to q's dtype by the caller."""
+    @staticmethod
+    def forward(ctx, q, k, trig, seq_dim):
+        oq, ok = torch.empty_like(q), torch.empty_like(k)
+        _run(q, oq, trig, seq_dim)
+        _run(k, ok, trig, seq_dim)
+        ctx.trig, ctx.seq_dim = trig, seq_dim
+        return oq, ok
+
+    @staticmethod
+    def backward(ctx, gq, gk):
+        inverse = ctx.trig.inverse()
+        out = []
+        for g in (gq, gk):
+            if g is None:
+                out.append(None)
+            elif torch.is_grad_enabled():  # create_graph=True: the backward must be differentiable
+                out.append(_Rope.apply(g, None, None, inverse, ctx.seq_dim))
+            else:
+                grad_in = torch.empty_like(g)
+                _run(g, grad_in, inverse, ctx.seq_dim)
+                out.append(grad_in)
+        return out[0], out[1], None, None
+
+
+def rotate_pair(q, k, trig, seq_dim):
+    """q and k rotated out of place (cos/sin do not need gradients)."""
+    return _RopePair.apply(q, k, trig, seq_dim)
+
+
+def compact_trig(cos, sin, rotation, gptj_cos, unsqueeze_dim):
+    """cos and the signed sin of :func:`compact`, shaped to broadcast over x (its rotated part, in (pairs, 2)
+    views for GPT-J): made once for every tensor they rotate. cos/sin: folded (batch, seq, rd), in x's dtype."""
     rd = cos.shape[-1]
     half = rd // 2
     if rotation == "gptj":  # in (pairs, 2) views: swap = flip of the last dim
@@ -199,20 +221,34 @@ def compact(q, k, cos, sin, rotation, gptj_cos, unsqueeze_dim):
     else:
         signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         unsqueeze = unsqueeze_dim
-    cos, signed = cos.unsqueeze(unsqueeze), signed.unsqueeze(unsqueeze)
+    return cos.unsqueeze(unsqueeze), signed.unsqueeze(unsqueeze), rd
 
-    def one(x):
-        if rotation == "deinterleave":
-            x = torch.cat((x[..., 0:rd:2], x[..., 1:rd:2]), dim=-1)  # whole head (checked by the caller)
-        r = x[..., :rd]
-        if rotation == "gptj":
-            r = r.unflatten(-1, (half, 2))
-            out = (r * cos + r.flip(-1) * signed).flatten(-2)
-        else:
-            out = r * cos + torch.cat((r[..., half:], r[..., :half]), dim=-1) * signed
-        return torch.cat((out, x[..., rd:]), dim=-1) if rd < x.shape[-1] else out
 
-    return one(q), one(k)
+def compact_one(x, trig, rotation):
+    """``x * cos + swap(x) * signed_sin`` with the parts of :func:`compact_trig`."""
+    cos, signed, rd = trig
+    half = rd // 2
+    if rotation == "deinterleave":
+        x = torch.cat((x[..., 0:rd:2], x[..., 1:rd:2]), dim=-1)  # whole head (checked by the caller)
+    r = x[..., :rd]
+    if rotation == "gptj":
+        r = r.unflatten(-1, (half, 2))
+        out = (r * cos + r.flip(-1) * signed).flatten(-2)
+    else:
+        out = r * cos + torch.cat((r[..., half:], r[..., :half]), dim=-1) * signed
+    return torch.cat((out, x[..., rd:]), dim=-1) if rd < x.shape[-1] else out
+
+
+def compact(q, k, cos, sin, rotation, gptj_cos, unsqueeze_dim):
+    """Both tensors as ``x * cos + swap(x) * signed_sin``: 10-14 dispatched ops per call, no host sync.
+
+    For launch-bound devices without Triton, and under ``torch.compile`` (the compiler fuses it) or
+    when cos/sin need gradients (plain autograd). ``swap`` exchanges the two rotated parts and the
+    sign of the first part's sine is folded into ``signed_sin`` once for q and k: the same products as
+    upstream's ``rotate_half``, so the result equals upstream's in every dtype. cos/sin: folded
+    (batch, seq, rd), cast to q's dtype by the caller."""
+    trig = compact_trig(cos, sin, rotation, gptj_cos, unsqueeze_dim)
+    return compact_one(q, trig, rotation), compact_one(k, trig, rotation)
 
 
 def rotate(x, cos, sin, trig, seq_dim, inplace=False):
