@@ -168,10 +168,44 @@ def explicit_cu(explicit):
 
 def find_step(state, group, explicit, position_ids, mask, batch, local, device):
     """The step's boundaries, or None for an input that is not packed (and no Ulysses group)."""
-    import torch
-
     world = state.world * state.cworld if group is not None else 1
     total = local * world
+    cu, source, explicit = _given_cu(explicit, batch, local, device)
+    if isinstance(mask, dict):
+        # generate() with a static cache or a compiled step builds one mask per layer type (transformers 4.54+
+        # for configs with layer_types): each says itself what attends to what, like a 4-D mask
+        mask = next((m for m in mask.values() if m is not None), None)
+    valid = mask_valid(mask, local)
+    if cu is not None:
+        return _step_of_cu(group, cu, source, explicit, position_ids, valid, batch, total, device)
+    if position_ids is None:
+        if group is not None:
+            raise UlyssesError(f"tfcompat {state.family}: a Ulysses shard needs its position ids (each rank holds a "
+                               f"slice, so positions cannot be counted locally); pass the sliced position_ids")
+        return None
+    if position_ids.dim() == 3 and position_ids.shape[0] == 4:
+        text, kind = position_ids[0], "text row of the 4-row position ids"
+    elif position_ids.dim() == 2:
+        text, kind = position_ids, "position ids"
+    elif position_ids.dim() == 3 and position_ids.shape[0] == 3:
+        text, kind = None, "mrope"
+    else:
+        raise PackingError(f"tfcompat {state.family}: position_ids of shape {tuple(position_ids.shape)}; expected "
+                           f"(batch, seq), (3, batch, seq) or (4, batch, seq) with the text row first")
+    if batch != 1 or valid == "other":
+        # rows whose every token is real (no mask, a mask of ones, or a mask of another shape that cannot say
+        # otherwise) and whose positions restart hold several sequences: upstream would attend across them
+        if mask is None or mask.dim() == 2:  # a 4-D mask says itself what attends to what
+            _refuse_restarting_rows(position_ids, text, mask, batch, local)
+        return None  # padded batch (or a 4-D mask): upstream's own path, exact
+    return _step_of_positions(state, group, position_ids, text, kind, valid, total, device)
+
+
+def _given_cu(explicit, batch, local, device):
+    """The boundaries the call named (cu_seq_lens_q/k, seq_idx, tfcompat.packing.packed), checked against each
+    other: (cu or None, where they came from, the explicit arguments that go with them)."""
+    import torch
+
     cu = explicit.get("cu_seq_lens_q")
     if cu is None and explicit.get("cu_seq_lens_k") is not None:
         cu = explicit["cu_seq_lens_k"]
@@ -193,80 +227,71 @@ def find_step(state, group, explicit, position_ids, mask, batch, local, device):
         cu, max_len = _packing.current()
         source = "packing.packed(cu)"
         explicit = {"max_length_q": max_len}
-    if isinstance(mask, dict):
-        # generate() with a static cache or a compiled step builds one mask per layer type (transformers 4.54+
-        # for configs with layer_types): each says itself what attends to what, like a 4-D mask
-        mask = next((m for m in mask.values() if m is not None), None)
-    valid = mask_valid(mask, local)
-    if cu is not None:
-        if batch != 1:
-            raise PackingError(f"tfcompat: {source} describes one packed row, but the input has batch {batch}; "
-                               f"pack the batch into one row (tfcompat.packing.pack)")
-        if valid is not None:
-            raise PackingError(f"tfcompat: {source} marks a packed row, but attention_mask has padding in it; "
-                               f"drop the padding (tfcompat.packing.pack does) or pass no mask")
-        tail = group is not None and int(cu[-1]) < total
-        if tail:
-            cu = torch.cat((cu.to(device), torch.tensor([total], dtype=cu.dtype, device=device)))  # padded tail
-        step = make_step(cu.to(device), total, explicit.get("max_length_q"), source, explicit.get("max_length_k"),
-                         tail)
-        text = text_row(position_ids)
-        if text is None and group is None and position_ids is not None and position_ids.dim() == 3 and \
-                position_ids.shape[0] == 3 and position_ids.shape[1] == 1:
-            # 3-row mRoPE ids: every sequence starts at (0, 0, 0) (text or an image's first patch), and no other
-            # token is there; one read of the row, as for text ids
-            zero = (position_ids[:, 0] == 0).all(dim=0)
-            starts = [int(i) for i in torch.nonzero(zero).flatten().tolist()]
-            if starts and starts[0] == 0 and starts != list(step.bounds[:-1]):
-                raise PackingError(
-                    f"tfcompat: {source} puts sequence starts at {list(step.bounds[:-1])} but the mRoPE position "
-                    f"ids restart at (0, 0, 0) at {starts}; RoPE and attention would disagree about where "
-                    f"sequences begin; pass boundaries and position ids of the same packing")
-        if text is not None and group is None:
-            starts = starts_of(text[0], None, "position ids")
-            if starts != list(step.bounds[:-1]):
-                raise PackingError(
-                    f"tfcompat: {source} puts sequence starts at {list(step.bounds[:-1])} but the position ids "
-                    f"restart at 0 at {starts}; RoPE and attention would disagree about where sequences begin; "
-                    f"pass position ids that count from 0 in every sequence of {source} (as "
-                    f"DataCollatorWithFlattening and tfcompat.packing.pack build them)")
-        if group is None and len(step.bounds) == 2:
-            return None  # validated, and one sequence: upstream's own path is exact (as for position ids)
-        return step
+    return cu, source, explicit
 
-    if position_ids is None:
-        if group is not None:
-            raise UlyssesError(f"tfcompat {state.family}: a Ulysses shard needs its position ids (each rank holds a "
-                               f"slice, so positions cannot be counted locally); pass the sliced position_ids")
-        return None
-    if position_ids.dim() == 3 and position_ids.shape[0] == 4:
-        text, kind = position_ids[0], "text row of the 4-row position ids"
-    elif position_ids.dim() == 2:
-        text, kind = position_ids, "position ids"
-    elif position_ids.dim() == 3 and position_ids.shape[0] == 3:
-        text, kind = None, "mrope"
-    else:
-        raise PackingError(f"tfcompat {state.family}: position_ids of shape {tuple(position_ids.shape)}; expected "
-                           f"(batch, seq), (3, batch, seq) or (4, batch, seq) with the text row first")
-    if batch != 1 or valid == "other":
-        # rows whose every token is real (no mask, a mask of ones, or a mask of another shape that cannot say
-        # otherwise) and whose positions restart hold several sequences: upstream would attend across them
-        if mask is None or mask.dim() == 2:  # a 4-D mask says itself what attends to what
-            for row in range(batch):
-                if mask is not None and mask.shape[-1] == local and not bool(mask[row].bool().all()):
-                    continue  # padding in this row: upstream masks it exactly
-                if text is None:  # 3-row mRoPE ids: a token at (0, 0, 0) after the first starts a sequence
-                    restarts = bool((position_ids[:, row] == 0).all(dim=0)[1:].any())
-                else:
-                    restarts = len(starts_of(text[row], None, "position ids")) > 1
-                if restarts:
-                    found = "no mask" if mask is None else f"an attention_mask of shape {tuple(mask.shape)}"
-                    raise PackingError(
-                        f"tfcompat: row {row} of a batch of {batch} restarts its positions (several packed "
-                        f"sequences) with {found}; packed rows must be batch 1, with no mask or a mask of "
-                        f"(1, {local}) ones; pack the whole micro-batch into one row "
-                        f"(tfcompat.packing.pack) or pass cu_seq_lens_q")
-        return None  # padded batch (or a 4-D mask): upstream's own path, exact
+
+def _step_of_cu(group, cu, source, explicit, position_ids, valid, batch, total, device):
+    """The step of named boundaries, checked against the row and its position ids (None: one sequence)."""
+    import torch
+
+    if batch != 1:
+        raise PackingError(f"tfcompat: {source} describes one packed row, but the input has batch {batch}; "
+                           f"pack the batch into one row (tfcompat.packing.pack)")
+    if valid is not None:
+        raise PackingError(f"tfcompat: {source} marks a packed row, but attention_mask has padding in it; "
+                           f"drop the padding (tfcompat.packing.pack does) or pass no mask")
+    tail = group is not None and int(cu[-1]) < total
+    if tail:
+        cu = torch.cat((cu.to(device), torch.tensor([total], dtype=cu.dtype, device=device)))  # padded tail
+    step = make_step(cu.to(device), total, explicit.get("max_length_q"), source, explicit.get("max_length_k"), tail)
+    text = text_row(position_ids)
+    if text is None and group is None and position_ids is not None and position_ids.dim() == 3 and \
+            position_ids.shape[0] == 3 and position_ids.shape[1] == 1:
+        # 3-row mRoPE ids: every sequence starts at (0, 0, 0) (text or an image's first patch), and no other
+        # token is there; one read of the row, as for text ids
+        zero = (position_ids[:, 0] == 0).all(dim=0)
+        starts = [int(i) for i in torch.nonzero(zero).flatten().tolist()]
+        if starts and starts[0] == 0 and starts != list(step.bounds[:-1]):
+            raise PackingError(
+                f"tfcompat: {source} puts sequence starts at {list(step.bounds[:-1])} but the mRoPE position "
+                f"ids restart at (0, 0, 0) at {starts}; RoPE and attention would disagree about where "
+                f"sequences begin; pass boundaries and position ids of the same packing")
+    if text is not None and group is None:
+        starts = starts_of(text[0], None, "position ids")
+        if starts != list(step.bounds[:-1]):
+            raise PackingError(
+                f"tfcompat: {source} puts sequence starts at {list(step.bounds[:-1])} but the position ids "
+                f"restart at 0 at {starts}; RoPE and attention would disagree about where sequences begin; "
+                f"pass position ids that count from 0 in every sequence of {source} (as "
+                f"DataCollatorWithFlattening and tfcompat.packing.pack build them)")
+    if group is None and len(step.bounds) == 2:
+        return None  # validated, and one sequence: upstream's own path is exact (as for position ids)
+    return step
+
+
+def _refuse_restarting_rows(position_ids, text, mask, batch, local):
+    """Refuse a row of a batch (or a row beside a mask that cannot mark padding) whose every token is real and
+    whose positions restart: several packed sequences upstream would attend across."""
+    for row in range(batch):
+        if mask is not None and mask.shape[-1] == local and not bool(mask[row].bool().all()):
+            continue  # padding in this row: upstream masks it exactly
+        if text is None:  # 3-row mRoPE ids: a token at (0, 0, 0) after the first starts a sequence
+            restarts = bool((position_ids[:, row] == 0).all(dim=0)[1:].any())
+        else:
+            restarts = len(starts_of(text[row], None, "position ids")) > 1
+        if restarts:
+            found = "no mask" if mask is None else f"an attention_mask of shape {tuple(mask.shape)}"
+            raise PackingError(
+                f"tfcompat: row {row} of a batch of {batch} restarts its positions (several packed "
+                f"sequences) with {found}; packed rows must be batch 1, with no mask or a mask of "
+                f"(1, {local}) ones; pack the whole micro-batch into one row "
+                f"(tfcompat.packing.pack) or pass cu_seq_lens_q")
+
+
+def _step_of_positions(state, group, position_ids, text, kind, valid, total, device):
+    """The step of one row's position ids (gathered over the sequence groups first), or None: one sequence."""
+    import torch
+
     rows = text if text is not None else position_ids[:, 0]  # (1, n) text row, or (3, n) T/H/W rows
     if group is not None:
         from .ulysses import gather_from_ranks

@@ -37,7 +37,6 @@ def _text_model_forward(self, *args, **kwargs):
     a = _arguments(self, args, kwargs)
     if a is None:
         return _original(self, state, *args, **kwargs)  # upstream says what is wrong with the call
-    plan = _resolve.resolve("attention.signature", state.family).plan
     ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
     if ref is None:
         return _original(self, state, *args, **kwargs)
@@ -47,22 +46,10 @@ def _text_model_forward(self, *args, **kwargs):
         with _Scope(("explicit", found)):  # a checkpoint's recomputation of this call: the same boundaries
             return _text_model_forward(self, *args, **kwargs)
     seen = _boundaries.check_position_shape(state.family, a.get("position_ids"), ref.shape[0], ref.shape[1])
-    if (state.split() or state.group_lost) and not explicit and (
-            any(a.get(n) is not None for n in _CACHE_NAMES) or
-            (a.get("cache_position") is not None and a.get("use_cache") is not False)):
-        # generate() with the policy being trained (an RL rollout): every rank decodes its own batch with its own
-        # KV cache, as the unpatched model does; nothing is split (a training slice carries no cache). 5.0-5.2
-        # prefill with no cache yet, which the text model creates: cache_position marks that call. A packed row
-        # cannot be decoded so (its sequences would share the cache): refused, as without a group
-        if _boundaries.find_step(state, None, {}, seen, a.get("attention_mask"), ref.shape[0], ref.shape[1],
-                                 ref.device) is not None:
-            raise UlyssesError(f"tfcompat {state.family}: a packed row (or a sequence-parallel slice of one) was "
-                               f"passed with a KV cache or cache_position; pass use_cache=False and no "
-                               f"past_key_values for training, or unpack the row for generation")
-        return _original(self, state, *args, **kwargs)
+    if (state.split() or state.group_lost) and not explicit and _decoding(a):
+        return _decode_under_group(self, state, a, seen, ref, args, kwargs)
     state.group_or_raise()
     split = state.split()  # the sequence groups: Ulysses, context parallel, or both
-    group = next(iter(split.values()), None)  # not None: the row is split over ranks
     if split and state.slice_inputs:
         a = _shards.slice_whole_row(self, state, a, explicit)
         ref = a["inputs_embeds"]
@@ -74,7 +61,37 @@ def _text_model_forward(self, *args, **kwargs):
                                                     ref.device)
     batch, local = ref.shape[0], ref.shape[1]
     position_ids = _boundaries.check_position_shape(state.family, a.get("position_ids"), batch, local)
+    _check_mask_length(state, a, batch, local)
     changed = {}
+    plan = _resolve.resolve("attention.signature", state.family).plan
+    if position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 4 and not plan.four_row_ids:
+        changed["position_ids"] = position_ids[1:]  # this release's text model predates the 4-row layout
+    step = _boundaries.find_step(state, next(iter(split.values()), None), explicit, position_ids,
+                                 a.get("attention_mask"), batch, local, ref.device)
+    if step is None:
+        return _unpacked(self, state, a, position_ids, changed, args, kwargs)
+    return _packed(self, state, a, step, changed)
+
+
+def _decoding(a):
+    """generate()'s call: a KV cache, or (5.0-5.2 prefill, which creates the cache) cache_position with caching."""
+    return any(a.get(n) is not None for n in _CACHE_NAMES) or \
+        (a.get("cache_position") is not None and a.get("use_cache") is not False)
+
+
+def _decode_under_group(self, state, a, seen, ref, args, kwargs):
+    """generate() with the policy being trained (an RL rollout): every rank decodes its own batch with its own
+    KV cache, as the unpatched model does; nothing is split (a training slice carries no cache). A packed row
+    cannot be decoded so (its sequences would share the cache): refused, as without a group."""
+    if _boundaries.find_step(state, None, {}, seen, a.get("attention_mask"), ref.shape[0], ref.shape[1],
+                             ref.device) is not None:
+        raise UlyssesError(f"tfcompat {state.family}: a packed row (or a sequence-parallel slice of one) was "
+                           f"passed with a KV cache or cache_position; pass use_cache=False and no "
+                           f"past_key_values for training, or unpack the row for generation")
+    return _original(self, state, *args, **kwargs)
+
+
+def _check_mask_length(state, a, batch, local):
     mask = a.get("attention_mask")
     if getattr(mask, "dim", lambda: 0)() == 2 and mask.shape[-1] != local and \
             not any(a.get(n) is not None for n in _CACHE_NAMES):
@@ -82,24 +99,33 @@ def _text_model_forward(self, *args, **kwargs):
             f"tfcompat {state.family}: attention_mask of shape {tuple(mask.shape)} for an input of {local} tokens "
             f"and no KV cache (only a cache makes a mask longer than the input); pass a ({batch}, {local}) mask, "
             f"or none for a packed row")
-    if position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 4 and not plan.four_row_ids:
-        changed["position_ids"] = position_ids[1:]  # this release's text model predates the 4-row layout
 
-    step = _boundaries.find_step(state, group, explicit, position_ids, a.get("attention_mask"), batch, local,
-                                 ref.device)
-    if step is None:
-        if position_ids is not None and position_ids.dim() == 3 and a.get("attention_mask") is None and \
-                "attention_mask" in _signature(type(self)).parameters:
-            # the numbers of a mask of ones (one unpadded sample per row); transformers 4.53-4.57 crash building
-            # the causal mask from 3-row ids without a mask (Qwen2-VL, GLM-4V), and 5.x would read the temporal
-            # row as packed-sequence starts. With a KV cache (generate()), the mask covers the cached tokens too.
-            cache = next((a[n] for n in _CACHE_NAMES if a.get(n) is not None), None)
-            past = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
-            changed["attention_mask"] = torch.ones((batch, past + local), dtype=torch.long, device=ref.device)
-        if changed:
-            a.update(changed)
-            return _original(self, state, **a)
-        return _original(self, state, *args, **kwargs)
+
+def _unpacked(self, state, a, position_ids, changed, args, kwargs):
+    """Not a packed step: upstream's own call, with 3-row ids given a mask of ones (and 4-row ids cut to 3 rows
+    on releases that predate them)."""
+    import torch
+
+    ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
+    if position_ids is not None and position_ids.dim() == 3 and a.get("attention_mask") is None and \
+            "attention_mask" in _signature(type(self)).parameters:
+        # the numbers of a mask of ones (one unpadded sample per row); transformers 4.53-4.57 crash building
+        # the causal mask from 3-row ids without a mask (Qwen2-VL, GLM-4V), and 5.x would read the temporal
+        # row as packed-sequence starts. With a KV cache (generate()), the mask covers the cached tokens too.
+        cache = next((a[n] for n in _CACHE_NAMES if a.get(n) is not None), None)
+        past = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
+        changed["attention_mask"] = torch.ones((ref.shape[0], past + ref.shape[1]), dtype=torch.long,
+                                               device=ref.device)
+    if changed:
+        a.update(changed)
+        return _original(self, state, **a)
+    return _original(self, state, *args, **kwargs)
+
+
+def _packed(self, state, a, step, changed):
+    """A packed step: upstream's call with no cache and a mask of ones, inside the step's scope (the rotary
+    module hands the step to the layers on the position embeddings)."""
+    import torch
 
     cache = next((a[n] for n in _CACHE_NAMES if a.get(n) is not None), None)
     if cache is not None:
@@ -113,12 +139,13 @@ def _text_model_forward(self, *args, **kwargs):
             f"tfcompat {state.family}: output_attentions=True on a packed row (or Ulysses shard): the packed "
             f"attention computes no weight matrix; call the unpatched model on the padded batch to inspect weights"
         )
+    ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
     if "use_cache" in _signature(type(self)).parameters or "use_cache" in a:
         changed["use_cache"] = False  # no cache for a packed row: the configs' default would create one
     if "attention_mask" in _signature(type(self)).parameters:
         # an explicit all-ones mask keeps upstream mask builders from re-reading packed position ids
         # (some releases cannot parse 3-row ids there); the patched attention does not use it
-        changed["attention_mask"] = torch.ones((batch, local), dtype=torch.long, device=ref.device)
+        changed["attention_mask"] = torch.ones(tuple(ref.shape[:2]), dtype=torch.long, device=ref.device)
     a.update(changed)
     with _Scope(("step", step)):
         return _original(self, state, **a)
@@ -383,15 +410,12 @@ def _attention_forward(self, *args, **kwargs):
                             f"{hidden.shape[0]}")
     if state.group_lost:
         state.group_or_raise()
-    group = state.group
 
     from ._rotation import for_layers
     from .rope import rotate
-    from .varlen import _varlen
 
     plan = state.plan  # the attention.signature plan, bound at patch time
-    _, s, _ = hidden.shape
-    d = self.head_dim
+    s, d = hidden.shape[1], self.head_dim
     q = self.q_proj(hidden)
     gate = None
     if plan.gated_query:  # Qwen3-Next, Qwen3.5: query and output gate interleaved per head (a probed fact)
@@ -415,8 +439,34 @@ def _attention_forward(self, *args, **kwargs):
     q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0]
     dropout = self.attention_dropout if self.training else 0.0
     scale = getattr(self, "scaling", None) or d ** -0.5
+    if state.group is not None or state.cgroup is not None:
+        out = _attend_split(state, step, q, k, v, scale, dropout)
+    else:
+        out = _attend_row(step, q, k, v, scale, state.window, dropout)
+    out = out.reshape(1, s, -1)
+    if gate is not None:
+        out = out * torch.sigmoid(gate)
+    out = self.o_proj(out)
+    return (out, None, None) if plan.returns == 3 else (out, None)
+
+
+def _attend_row(step, q, k, v, scale, window, dropout):
+    """Attention over the whole packed row this layer sees (after Ulysses: all of its heads' tokens)."""
+    from .varlen import _varlen
+
+    if step.total != q.shape[0]:
+        raise PackingError(f"tfcompat attention: boundaries cover {step.total} tokens but the layer sees "
+                           f"{q.shape[0]}; pass boundaries of the whole (gathered) packed row")
+    return _varlen(q, k, v, step.cu, step.bounds, step.max_len, causal=True, softmax_scale=scale, window=window,
+                   dropout_p=dropout)
+
+
+def _attend_split(state, step, q, k, v, scale, dropout):
+    """Attention of this rank's slice: Ulysses all-to-all to whole-row heads, and/or context parallel chunks
+    attending the whole row's K/V, then back to this rank's tokens."""
+    group = state.group
     if group is not None:
-        from .ulysses import repeat_kv_for_group, to_heads, to_sequence
+        from .ulysses import repeat_kv_for_group, to_heads
 
         # the step checked every rank's slice once (equal lengths); no check (host sync) per layer
         q = to_heads(q, group)
@@ -433,18 +483,12 @@ def _attention_forward(self, *args, **kwargs):
         out = attend(q, k, v, step, step.memo["context"], state.cgroup, scale=scale, window=state.window,
                      dropout_p=dropout)
     else:
-        if step.total != q.shape[0]:
-            raise PackingError(f"tfcompat attention: boundaries cover {step.total} tokens but the layer sees "
-                               f"{q.shape[0]}; pass boundaries of the whole (gathered) packed row")
-        out = _varlen(q, k, v, step.cu, step.bounds, step.max_len, causal=True, softmax_scale=scale,
-                      window=state.window, dropout_p=dropout)
+        out = _attend_row(step, q, k, v, scale, state.window, dropout)
     if group is not None:
+        from .ulysses import to_sequence
+
         out = to_sequence(out, group)
-    out = out.reshape(1, s, -1)
-    if gate is not None:
-        out = out * torch.sigmoid(gate)
-    out = self.o_proj(out)
-    return (out, None, None) if plan.returns == 3 else (out, None)
+    return out
 
 
 def _attention_unpacked(self, state, args, kwargs):
