@@ -29,7 +29,7 @@ import time
 import torch
 
 import tfcompat
-from tfcompat._families import family
+from tfcompat._probe.families import family
 from tfcompat.packing import pack
 from tfcompat.testing import tiny_model
 

@@ -65,7 +65,7 @@ def main():
         print("[skip] this torch has no torch.nn.attention.varlen")
 
     # the checks `tfcompat check --device cuda` runs (inputs drawn on the CPU, moved to the device), on one family
-    from tfcompat import _device_checks
+    from tfcompat._tools import device_checks as _device_checks
 
     for res in _device_checks.run(["qwen2_vl"], "cuda", "bf16"):
         failures += not res["passed"]
@@ -80,7 +80,7 @@ def main():
 def pieces_reference(q, k, v, cu_q, cu_k, scale):
     """Each piece's queries are the last of its keys and see the keys up to themselves (bottom-right causal):
     tfcompat's context-parallel SDPA pieces (their mask), piece by piece."""
-    from tfcompat._context import _piece_mask
+    from tfcompat._step.context import _piece_mask
 
     outs = []
     bq, bk = cu_q.tolist(), cu_k.tolist()
@@ -95,7 +95,8 @@ def pieces_reference(q, k, v, cu_q, cu_k, scale):
 
 def piece_alignment(dev):
     """Check 5: varlen kernels on pieces with fewer queries than keys, against the bottom-right reference."""
-    from tfcompat import _backends, varlen
+    from tfcompat import varlen
+    from tfcompat._probe import backends as _backends
 
     g = torch.Generator(device=dev).manual_seed(1)
     cu_q = torch.tensor([0, 300, 450, 451], dtype=torch.int32, device=dev)   # query chunks of three sequences

@@ -24,14 +24,14 @@ import tfcompat.rope, tfcompat.config
 t1b = time.perf_counter()
 assert "torch" not in sys.modules and "transformers" not in sys.modules
 import torch, transformers, importlib
-from tfcompat._families import FAMILIES
+from tfcompat._probe.families import FAMILIES
 from tfcompat.testing import tiny_config
 fam = FAMILIES[sys.argv[1]]
 t2 = time.perf_counter()
 importlib.import_module(fam.modeling)
 t3 = time.perf_counter()
 cfg = tiny_config(fam.name)
-from tfcompat import _resolve
+from tfcompat._probe import resolve as _resolve
 rot = getattr(importlib.import_module(fam.modeling), fam.rotary)(config=tfcompat.config.text_config(cfg))
 pos = torch.arange(8).view(1, 1, 8).expand(3, 1, 8) if fam.vision else torch.arange(8)[None]
 cos, sin = rot(torch.zeros(1), pos)

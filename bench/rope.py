@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from tfcompat import _resolve
+from tfcompat._probe import resolve as _resolve
 from tfcompat.config import text_config
 from tfcompat.rope import apply_rope, apply_rope_
 from tfcompat.testing import tiny_config

@@ -47,7 +47,7 @@ def _start_method(fn):
     # transformers.modeling_utils: what every modeling module imports first (generation, weight loading,
     # torch.distributed.tensor: seconds), then the modeling modules of the families the test module names
     families = getattr(sys.modules.get(fn.__module__), "PRELOAD_FAMILIES", ())
-    from tfcompat._families import FAMILIES
+    from tfcompat._probe.families import FAMILIES
 
     modeling = [FAMILIES[n].modeling for n in families if n in FAMILIES]
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.fsdp", "transformers",

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from tfcompat import _resolve
-from tfcompat._families import FAMILIES
+from tfcompat._probe import resolve as _resolve
+from tfcompat._probe.families import FAMILIES
 from tfcompat.config import text_config
 from tfcompat.testing import assert_close_to_model, tiny_config
 

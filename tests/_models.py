@@ -4,7 +4,7 @@ import inspect
 
 import torch
 
-from tfcompat._families import family
+from tfcompat._probe.families import family
 from tfcompat.embeds import mm_token_type_ids, rope_index
 from tfcompat.testing import padded_batch, tiny_model, tiny_pixels, tiny_sequence
 

@@ -10,7 +10,7 @@ import pathlib
 
 import pytest
 
-from tfcompat._cli import main
+from tfcompat._tools.cli import main
 
 from _helpers import installed
 
@@ -44,7 +44,7 @@ def test_published_config_passes_every_check(path, capsys):
 def test_a_family_this_release_lacks_names_the_first_release_with_it(capsys):
     """A published config of a family the installed release does not ship: tfcompat's one line naming the first
     release that has it (the family table's `since`), exit 2, not transformers' "does not recognize"."""
-    from tfcompat._families import family
+    from tfcompat._probe.families import family
 
     missing = [p for p in CONFIGS if json.loads(p.read_text())["model_type"] not in installed()]
     if not missing:

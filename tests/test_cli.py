@@ -71,7 +71,7 @@ def test_check_all_families_json(capsys):
 def check_here(capsys, *args):
     """`tfcompat check ...` in this process (the subprocess runs above prove the command itself; these save
     the seconds of importing torch and transformers again)."""
-    from tfcompat import _cli
+    from tfcompat._tools import cli as _cli
 
     capsys.readouterr()
     code = _cli.main(["check", *args])
@@ -93,7 +93,7 @@ def test_check_fails_on_a_wrong_tolerance(capsys):
 
 def test_check_says_why_a_check_does_not_apply(capsys):
     """A family whose checks do not all apply: exit 0, one line per check, the reason on each skipped one."""
-    from tfcompat._families import FAMILIES
+    from tfcompat._probe.families import FAMILIES
 
     name = next((n for n in installed() if FAMILIES[n].nope), None) or next(
         n for n in installed() if not FAMILIES[n].vision)
@@ -171,9 +171,9 @@ def test_vendor_overwrites_an_earlier_copy_and_force(tmp_path):
 def test_report_imports_neither_transformers_nor_torch():
     """What keeps ``tfcompat report`` within a few seconds: every decision is read from transformers' files.
     torch is imported only where triton or flash-attn is installed (whether those import is the decision)."""
-    from tfcompat import _backends
+    from tfcompat._probe import backends as _backends
 
-    code = ("import sys; from tfcompat import _cli; rc = _cli.main(['report']); "
+    code = ("import sys; from tfcompat._tools import cli as _cli; rc = _cli.main(['report']); "
             "print('HEAVY', sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'})); "
             "sys.exit(rc)")
     out = python("-c", code)
@@ -185,7 +185,7 @@ def test_report_imports_neither_transformers_nor_torch():
 
 def test_report_output_to_a_folder_or_an_unwritable_path(tmp_path, capsys):
     """`--output` names a file: a folder, or a path that cannot be written, gets one line and exit 2."""
-    from tfcompat._cli import main
+    from tfcompat._tools.cli import main
 
     assert main(["report", "--output", str(tmp_path)]) == 2
     assert "is a directory; pass a file path, e.g." in capsys.readouterr().err
@@ -210,7 +210,7 @@ def test_check_device_cuda_refuses_in_one_line_without_a_gpu():
 
 def test_check_device_plan_names_the_kernels_it_would_prove(capsys):
     """--plan needs no device: the kernels auto picks on CUDA here (from the kernel table) and the checks."""
-    from tfcompat import _backends
+    from tfcompat._probe import backends as _backends
 
     code, out = check_here(capsys, "--device", "cuda", "--plan", "--family", "qwen2")
     assert code == 0

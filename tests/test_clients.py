@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tfcompat
-from tfcompat._families import FAMILIES as SPECS
+from tfcompat._probe.families import FAMILIES as SPECS
 
 from _helpers import one_per_shape, patchable
 from _models import forward_kwargs, padded, run_upstream, tiny_model, tiny_pixels, tiny_sequence

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from tfcompat._families import FAMILIES as SPECS
+from tfcompat._probe.families import FAMILIES as SPECS
 from tfcompat.config import rope_parameters, text_config
 from tfcompat.errors import ConfigError
 from tfcompat.testing import TINY_SECTIONS, tiny_config
@@ -49,7 +49,7 @@ def test_text_config_of_vision_language_config(name):
 @pytest.mark.parametrize("name", [n for n in ("llama", "qwen2", "qwen3") if n in FAMILIES])
 def test_scaled_rope_keys_and_theta(name):
     rot, _ = rotary(name)
-    from tfcompat import _resolve
+    from tfcompat._probe import resolve as _resolve
 
     key = _resolve.resolve("rope.init", name).plan.config_key
     scaling = {"rope_type": "linear", "factor": 4.0}

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import tfcompat
-from tfcompat._families import FAMILIES as SPECS
+from tfcompat._probe.families import FAMILIES as SPECS
 from tfcompat.embeds import rope_index
 from tfcompat.errors import PackingError, UlyssesError
 from tfcompat.packing import pack, unpack

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import tfcompat
-from tfcompat._families import FAMILIES as SPECS
+from tfcompat._probe.families import FAMILIES as SPECS
 from tfcompat.embeds import get_input_embeds, rope_index
 from tfcompat.errors import UlyssesError
 from tfcompat.packing import pack, unpack

@@ -52,7 +52,7 @@ def test_drift_names_what_this_release_builds_otherwise(folder):
 def test_check_config_exits_2_naming_the_dropped_theta(capsys):
     """The CLI on the 5.24-saved theta: exit 2 with the record on 4.x (text and --json), before any check runs;
     on 5.x the file is read as written (its checks run in test_check_config's configs)."""
-    from tfcompat._cli import main
+    from tfcompat._tools.cli import main
 
     if transformers_version().major != 4:
         pytest.skip("5.x reads rope_parameters: nothing drifts (test_drift_names_what_this_release_builds_otherwise)")

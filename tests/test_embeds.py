@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from tfcompat._families import FAMILIES as SPECS
+from tfcompat._probe.families import FAMILIES as SPECS
 from tfcompat.embeds import (
     EmbedsError,
     dummy_visual_zero,

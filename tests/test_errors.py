@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from tfcompat import _resolve
-from tfcompat._families import FAMILIES as SPECS
+from tfcompat._probe import resolve as _resolve
+from tfcompat._probe.families import FAMILIES as SPECS
 from tfcompat.config import rope_parameters
 from tfcompat.errors import ConfigError, RopeShapeError, TfcompatError, UnsupportedTransformersError
 from tfcompat.rope import apply_rope

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tfcompat
-from tfcompat._families import FAMILIES as SPECS
+from tfcompat._probe.families import FAMILIES as SPECS
 from tfcompat.config import rope_parameters
 from tfcompat.errors import TfcompatError
 from tfcompat.packing import pack, packed, unpack

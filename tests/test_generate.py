@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tfcompat
-from tfcompat._families import FAMILIES as SPECS
+from tfcompat._probe.families import FAMILIES as SPECS
 
 from _helpers import patchable
 from _models import forward_kwargs, tiny_model, tiny_pixels, tiny_sequence

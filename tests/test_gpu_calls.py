@@ -11,8 +11,8 @@ import inspect
 import pytest
 import torch
 
-from tfcompat import _backends
 from tfcompat._kernels import attention_calls as calls
+from tfcompat._probe import backends as _backends
 from tfcompat.varlen import _sdpa_fallback
 
 FLASH2 = calls.signature(calls.FLASH_ATTN_2["spec"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tfcompat
-from tfcompat._families import FAMILIES as SPECS
+from tfcompat._probe.families import FAMILIES as SPECS
 from tfcompat.errors import TfcompatError, UnsupportedTransformersError
 from tfcompat.packing import pack, packed, unpack
 from tfcompat.varlen import PackingError

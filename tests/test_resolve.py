@@ -8,8 +8,9 @@ import pytest
 from packaging.version import Version
 
 import tfcompat
-from tfcompat import _resolve, _source
-from tfcompat._families import FAMILIES as SPECS
+from tfcompat._probe import resolve as _resolve
+from tfcompat._probe import source as _source
+from tfcompat._probe.families import FAMILIES as SPECS
 from tfcompat.varlen import flash_attn_available
 from tfcompat.version import is_transformers_version_in_range, transformers_version
 
@@ -98,7 +99,7 @@ def test_every_config_model_type_of_the_release_maps_to_its_family():
     """Text configs carry odd spellings ('Glm4vMoe_text' in 4.5x); the lookup must accept them."""
     import importlib
 
-    from tfcompat._families import family
+    from tfcompat._probe.families import family
 
     for name in installed():
         spec = SPECS[name]
@@ -231,9 +232,8 @@ def test_rope_index_resolution_is_the_method_rope_index_calls(name):
     assert f"rope_index:{name}" in {r.capability for r in tfcompat.report([name])}
 
 
-def test_the_package_imports_only_downward():
-    """No import cycle between the package's modules, counting imports inside functions too (a cycle there
-    still ties two rooms together): the module graph read with ast is acyclic."""
+def _module_graph():
+    """The package's module graph read with ast: each module's relative imports, inside functions too."""
     import ast
     import os
 
@@ -257,7 +257,13 @@ def test_the_package_imports_only_downward():
                         sub = f"{target}.{alias.name}".lstrip(".")
                         deps.add(sub if os.path.exists(os.path.join(root, *sub.split(".")) + ".py") else target)
             graph[name] = {d for d in deps if d != name}
-    graph = {k: {d for d in v if d in graph} for k, v in graph.items()}
+    return {k: {d for d in v if d in graph} for k, v in graph.items()}
+
+
+def test_the_package_imports_only_downward():
+    """No import cycle between the package's modules, counting imports inside functions too (a cycle there
+    still ties two rooms together): the module graph read with ast is acyclic."""
+    graph = _module_graph()
     state, cycle = {}, []
 
     def visit(node, stack):
@@ -275,3 +281,17 @@ def test_the_package_imports_only_downward():
         if module not in state and visit(module, [module]):
             break
     assert not cycle, f"import cycle: {' -> '.join(m or 'tfcompat' for m in cycle)}"
+
+
+def test_rooms():
+    """The rooms by lifetime: the kernels import nothing of the patch-time, step or tools rooms (pure tensor
+    code); nothing outside the tools imports them (``python -m tfcompat`` names them only to say a copy lacks
+    them), so ``tfcompat vendor --no-tools`` gives a copy that works; nothing at step time or below imports
+    the public ``testing`` module."""
+    graph = _module_graph()
+    room = {name: name.split(".")[0] if name.startswith("_") else "public" for name in graph}
+    bad = [f"{m} -> {d}" for m, deps in graph.items() for d in deps
+           if (room[m] == "_kernels" and room[d] in ("_probe", "_step", "_tools", "public") and d != "errors")
+           or (room[d] == "_tools" and room[m] != "_tools" and m not in ("__main__", "_tools"))
+           or (d == "testing" and room[m] != "_tools")]
+    assert not bad, bad

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tfcompat._families import FAMILIES as SPECS
+from tfcompat._probe.families import FAMILIES as SPECS
 from tfcompat.config import rope_parameters
 from tfcompat.rope import apply_rope, apply_rope_
 
@@ -327,7 +327,7 @@ def test_auto_is_device_aware():
 @pytest.mark.parametrize("name", [n for n in installed() if SPECS[n].nope])
 def test_nope_families_refuse_rope_by_name(name):
     """A decoder without rotary (GLM-5-Next): nothing to rotate, no RoPE parameters; report says so."""
-    from tfcompat import _resolve
+    from tfcompat._probe import resolve as _resolve
     from tfcompat.errors import ConfigError
     from tfcompat.testing import tiny_config
 

@@ -23,8 +23,8 @@ import pathlib
 
 import pytest
 
-from tfcompat._checks import run_family
-from tfcompat._cli import main
+from tfcompat._tools.checks import run_family
+from tfcompat._tools.cli import main
 
 from _helpers import installed
 
@@ -121,7 +121,7 @@ def _upstream_or_skip(name, config):
 
     import torch
 
-    from tfcompat._families import family
+    from tfcompat._probe.families import family
 
     module = importlib.import_module(family(name).modeling)
     classes = [c for c in vars(module).values() if isinstance(c, type) and getattr(c, "config_class", None) is
@@ -141,7 +141,7 @@ def _tester_model_type(path):
 
 
 def test_every_served_family_has_a_tester_config():
-    from tfcompat._families import FAMILIES
+    from tfcompat._probe.families import FAMILIES
 
     have = {p.stem.split("--")[0] for p in TESTERS}
     assert have == set(FAMILIES), sorted(set(FAMILIES) ^ have)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tfcompat
-from tfcompat._families import FAMILIES as SPECS
+from tfcompat._probe.families import FAMILIES as SPECS
 from tfcompat.errors import PackingError
 from tfcompat.packing import pack, unpack
 

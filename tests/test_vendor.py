@@ -34,12 +34,12 @@ def test_no_module_imports_the_package_absolutely():
 def test_the_family_table_is_the_only_place_a_family_is_named():
     """Behaviour keyed on a family is a field of its table entry: no other module of the package holds a
     family's name or alias in code (docstrings may, for runnable examples)."""
-    from tfcompat._families import FAMILIES
+    from tfcompat._probe.families import FAMILIES
 
     names = {n for f in FAMILIES.values() for n in (f.name, *f.aliases)}
     offenders = []
     for path in PACKAGE.rglob("*.py"):
-        if path.name == "_families.py":
+        if path.relative_to(PACKAGE).as_posix() == "_probe/families.py":
             continue
         tree = ast.parse(path.read_text(), str(path))
         docstrings = {id(node.body[0].value) for node in ast.walk(tree)
@@ -78,7 +78,8 @@ def test_vendored_copy_runs_a_family_check(tmp_path):
     code = (
         "import sys\n"
         "from myproj._vendor import tfcompat as t\n"
-        "from myproj._vendor.tfcompat import _cli, rope, config\n"
+        "from myproj._vendor.tfcompat import rope, config\n"
+        "from myproj._vendor.tfcompat._tools import cli as _cli\n"
         "assert t.__file__.startswith(sys.argv[1]), t.__file__\n"
         "rc = _cli.main(['check', '--family', 'qwen2_5_vl'])\n"
         "leaked = [m for m in sys.modules if m == 'tfcompat' or m.startswith('tfcompat.')]\n"
@@ -91,6 +92,50 @@ def test_vendored_copy_runs_a_family_check(tmp_path):
                          cwd=tmp_path, env=env, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "7 passed, 0 failed" in out.stdout
+
+
+def test_vendored_copy_without_tools(tmp_path):
+    """``tfcompat vendor --no-tools`` over an earlier full copy: the tools folder (and every module the earlier
+    copy had that this one does not) is removed; the copy patches a model and trains a packed row exactly as
+    the padded batch (a fresh interpreter that cannot import the original package), and ``python -m`` on it
+    says the tools were left out (exit 2) instead of a traceback."""
+    dest = tmp_path / "myproj" / "_vendor" / "tfcompat"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for flags in ([], ["--no-tools"]):
+        out = subprocess.run([sys.executable, "-m", "tfcompat", "vendor", str(dest), *flags], capture_output=True,
+                             text=True, env=env, timeout=120)
+        assert out.returncode == 0, out.stderr
+    assert not (dest / "_tools").exists() and "_tools/cli.py" in out.stdout, out.stdout
+    (dest / "_stale_module.py").write_text("")  # an earlier copy's module this release does not ship
+    out = subprocess.run([sys.executable, "-m", "tfcompat", "vendor", str(dest), "--no-tools"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 0 and not (dest / "_stale_module.py").exists(), out.stdout + out.stderr
+    assert "without its tools" in (dest / "VENDORED").read_text()
+    (tmp_path / "myproj" / "__init__.py").write_text("")
+    code = (
+        "import sys, torch\n"
+        "from myproj._vendor import tfcompat as t\n"
+        "from myproj._vendor.tfcompat.testing import tiny_model\n"
+        "from myproj._vendor.tfcompat.packing import pack\n"
+        "assert t.__file__.startswith(sys.argv[1]), t.__file__\n"
+        "model = tiny_model('qwen2')\n"
+        "ids = torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]]); mask = (ids != 0).long()\n"
+        "want = model(input_ids=ids, attention_mask=mask).logits[mask.bool()]\n"
+        "t.patch(model)\n"
+        "pk = pack(ids, mask)\n"
+        "got = model(input_ids=pk.input_ids, position_ids=pk.position_ids, cu_seq_lens_q=pk.cu_seqlens,\n"
+        "            max_length_q=pk.max_seqlen).logits[0]\n"
+        "assert (got - want).abs().max() < 1e-4, (got - want).abs().max()\n"
+        "leaked = [m for m in sys.modules if m == 'tfcompat' or m.startswith('tfcompat.')]\n"
+        "assert not leaked, leaked\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-m", "myproj._vendor.tfcompat", "report"], capture_output=True,
+                         text=True, cwd=tmp_path, env=env, timeout=120)
+    assert out.returncode == 2 and "without its tools" in out.stderr, out.stdout + out.stderr
 
 
 def test_vendor_makes_the_parent_packages_a_wheel_needs(tmp_path):

@@ -17,7 +17,7 @@ __all__ = ["__version__", "report", "clear_cache", "patch", "unpatch", "enable_c
 
 # value types of the records report() and patch() return, importable without importing torch:
 # ``from tfcompat import Resolution, PatchRecord`` (resolved on first access)
-_LAZY = {"Resolution": "_resolve", "PatchRecord": "_patch"}
+_LAZY = {"Resolution": "_probe.resolve", "PatchRecord": "_step.patch"}
 
 
 def __getattr__(name: str) -> Any:
@@ -30,15 +30,15 @@ def __getattr__(name: str) -> Any:
 
 def report(families: Optional[Iterable[str]] = None) -> list:
     """Every resolver decision for the installed transformers (see :class:`Resolution`)."""
-    from . import _backends
+    from ._probe import backends as _backends
 
     return _backends.report(families)
 
 
 def clear_cache() -> None:
     """Forget every cached resolution and every kernel's first-use proof (for tests)."""
-    from . import _resolve
     from ._kernels import table
+    from ._probe import resolve as _resolve
 
     _resolve.clear_cache()
     table.forget()
@@ -83,7 +83,7 @@ def patch(model: Any, *, remove_padding: bool = True, ulysses_group: Any = None,
 
     .. versionadded:: 0.1.0
     """
-    from . import _patch
+    from ._step import patch as _patch
 
     return _patch.patch(model, remove_padding=remove_padding, ulysses_group=ulysses_group, dummy_visual=dummy_visual,
                         slice_inputs=slice_inputs, context_group=context_group)
@@ -91,7 +91,7 @@ def patch(model: Any, *, remove_padding: bool = True, ulysses_group: Any = None,
 
 def unpatch(model: Any) -> bool:
     """Restore a model patched by :func:`patch`."""
-    from . import _patch
+    from ._step import patch as _patch
 
     return _patch.unpatch(model)
 

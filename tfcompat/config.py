@@ -16,10 +16,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from . import _resolve
-from ._compat import transformers4
-from ._drift import text_config
-from ._families import family as _family
+from ._probe import resolve as _resolve
+from ._probe import transformers4
+from ._probe.drift import text_config
+from ._probe.families import family as _family
 from .errors import ConfigError
 
 __all__ = ["RopeParameters", "drift", "rope_parameters", "text_config"]
@@ -193,6 +193,6 @@ def drift(path_or_config: Any) -> list:
 
     .. versionadded:: 0.2.0
     """
-    from ._drift import drift as _drift
+    from ._probe.drift import drift as _drift
 
     return _drift(path_or_config)

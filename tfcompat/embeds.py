@@ -28,9 +28,9 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any, Optional
 
-from ._compat import transformers4
-from ._rope_index import _rope_index_method, _splits_frames_of, rope_index  # noqa: F401 (public here)
-from ._tokens import _served, mm_token_type_ids
+from ._probe import transformers4
+from ._probe.rope_index import _rope_index_method, _splits_frames_of, rope_index  # noqa: F401 (public here)
+from ._probe.tokens import _served, mm_token_type_ids
 from .errors import EmbedsError, UnsupportedTransformersError
 
 if TYPE_CHECKING:

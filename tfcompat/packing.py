@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 from typing import Any, Iterator, Optional
 
 import torch
 
+from ._step import scope as _carrier
 from .errors import PackingError
 
 __all__ = ["PackedBatch", "pack", "unpack", "packed", "current"]
@@ -93,8 +93,8 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: Op
 
 
 def _check_vision_positions(config, input_ids, mask, position_ids):
-    from ._families import family
-    from .embeds import mm_token_type_ids
+    from ._probe.families import family
+    from ._probe.tokens import mm_token_type_ids
 
     if not family(config).vision:
         return
@@ -162,19 +162,16 @@ def unpack(x: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
     return out.view(packed.batch_size, packed.seq_len, *tail)
 
 
-_state = threading.local()
-
-
 def current() -> Any:
     """The innermost active ``(cu_seqlens, max_seqlen)``, or None."""
-    stack = getattr(_state, "stack", None)
-    return stack[-1] if stack else None
+    entry = _carrier.innermost(_carrier.Packed)
+    return None if entry is None else (entry.cu, entry.max_len)
 
 
 @contextlib.contextmanager
 def packed(cu_seqlens: torch.Tensor, max_seqlen: Optional[int] = None) -> Iterator[Any]:
     """Within the block, patched attention uses these boundaries (int32 (num_seqs + 1,))."""
-    from .varlen import check_cu_seqlens
+    from ._kernels.cu import check_cu_seqlens
 
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise PackingError(f"packed: cu_seqlens must be a 1-D tensor (0, ..., total), got {cu_seqlens!r}")
@@ -183,11 +180,5 @@ def packed(cu_seqlens: torch.Tensor, max_seqlen: Optional[int] = None) -> Iterat
     if max_seqlen is not None and int(max_seqlen) != longest:
         raise PackingError(f"packed: max_seqlen {int(max_seqlen)} but the longest sequence has {longest} tokens")
     max_seqlen = longest
-    stack = getattr(_state, "stack", None)
-    if stack is None:
-        stack = _state.stack = []
-    stack.append((cu_seqlens, int(max_seqlen)))
-    try:
+    with _carrier.carry(_carrier.Packed(cu_seqlens, int(max_seqlen))):
         yield
-    finally:
-        stack.pop()

@@ -39,10 +39,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from . import _resolve
-from ._backends import impl_for
-from ._families import family as _family
-from ._rotation import IMPLS, Rotation, chosen_impl, upstream
+from ._probe import resolve as _resolve
+from ._probe.backends import impl_for
+from ._probe.families import family as _family
+from ._step.rotation import IMPLS, Rotation, chosen_impl, upstream
 from .errors import ConfigError, RopeShapeError
 
 if TYPE_CHECKING:
@@ -263,33 +263,6 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
             return upstream(res, q, k, cos, sin, section, unsqueeze_dim)
         q, k, cos, sin = q.to(dq), k.to(dq), cos.to(dq), sin.to(dq)
     return Rotation(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, False, chosen)(q, k)
-
-
-def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, model_type: str,
-           mrope_section: Optional[tuple], resolution: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The patched attention's rotation: out of place, (batch, heads, seq, head_dim), with the cos/sin that
-    this release's rotary module returned (its layout was checked once per step, :func:`check_cos`) and
-    sections and the ``rope.apply`` resolution bound at patch time. No per-call validation or lookup: the
-    hot path of every layer."""
-    fam = _family(model_type)
-    res = resolution if resolution is not None else _resolve.resolve("rope.apply", fam.name)
-    return Rotation(q, k, cos, sin, fam, res, 2, 1, mrope_section, False, chosen_impl(None))(q, k)
-
-
-def check_cos(model_type: str, cos: Any, sin: Any) -> None:
-    """Raise :class:`RopeShapeError` unless (cos, sin) have the layout this release's attention expects."""
-    import torch
-
-    fam = _family(model_type)
-    res = _resolve.resolve("rope.apply", fam.name)
-    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)):
-        raise RopeShapeError(f"tfcompat {fam.name}: the rotary module returned {type(cos).__name__}, "
-                             f"{type(sin).__name__}; expected two tensors")
-    want = 4 if res.plan.cos_rows == 3 else 3
-    if cos.shape != sin.shape or cos.dim() != want or cos.shape[-1] % 2:
-        raise RopeShapeError(f"tfcompat {fam.name}: the rotary module returned cos {tuple(cos.shape)} and sin "
-                             f"{tuple(sin.shape)}; transformers {res.transformers} attention expects "
-                             f"{'(3, batch, seq, dim)' if want == 4 else '(batch, seq, dim)'} with an even dim")
 
 
 def _share_elements(q, k):

@@ -144,7 +144,7 @@ def slice_for_rank(x: torch.Tensor, dim: int = 1, group: Any = None, pad_value: 
     ``context_group``, this rank's two chunks of the context-parallel layout (see :func:`tfcompat.patch`);
     with both, the Ulysses ``group`` splits each context rank's chunks (the row padded to a multiple of
     ``2 * context size * group size``)."""
-    from ._context import pad_to, padded_total, slice_rows
+    from ._step.context import pad_to, padded_total, slice_rows
 
     if context_group is not None:
         if group is not None:
@@ -209,7 +209,7 @@ def gather_from_ranks(x: torch.Tensor, dim: int = 1, group: Any = None, length: 
         x = _ScaleGrad.apply(x, float(grad_scale))
     out = _Gather.apply(x, dim, group) if group is not None or context_group is None else x
     if context_group is not None:
-        from ._context import gather_rows
+        from ._step.context import gather_rows
 
         out = gather_rows(out, dim, context_group)
     return out if length is None else out.narrow(dim, 0, length)

@@ -15,7 +15,7 @@ import sys
 from packaging.version import Version
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from tfcompat._families import FAMILIES  # noqa: E402  (the checkout's own table, not an installed copy)
+from tfcompat._probe.families import FAMILIES  # noqa: E402  (the checkout's own table, not an installed copy)
 
 #: families whose attention tfcompat.patch refuses (the reason is in the family table)
 REFUSED = {name for name, fam in FAMILIES.items() if fam.patch_refusal}

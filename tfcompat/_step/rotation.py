@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 
-from . import _backends
-from .errors import ConfigError, RopeShapeError
+from .._probe import backends as _backends
+from .._probe.families import family as family_of
+from .._probe.resolve import resolve
+from ..errors import ConfigError, RopeShapeError
 
 IMPLS = ("auto", "native", "composite", "triton", "upstream")
 
@@ -59,7 +61,7 @@ class Rotation:
     serve every layer of the step."""
 
     def __init__(self, q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, inplace, impl):
-        from ._kernels import rope as kernels
+        from .._kernels import rope as kernels
 
         self.kernels = kernels  # bound once: the per-layer call looks nothing up
         self.res, self.section, self.seq_dim, self.unsqueeze_dim, self.inplace = res, section, seq_dim, \
@@ -151,11 +153,34 @@ class Rotation:
 def for_layers(carried, q, k, family, section, res):
     """The rotation of this step's (cos, sin) for q and k of this layout, made by the first layer that asks and
     kept on the step's carrier for the others (unless cos/sin need gradients)."""
-    from ._families import family as family_of
-
     cos, sin = carried
     fam = family_of(family)
     rot = Rotation(q, k, cos, sin, fam, res, 2, 1, section, False, chosen_impl(None))
     if rot.cacheable:
         carried.rotations[(q.dtype, q.shape, k.shape, q.stride(), k.stride())] = rot
     return rot
+
+
+def rotate(q, k, cos, sin, model_type, mrope_section, resolution=None):
+    """The patched attention's rotation under torch.compile (traced: nothing kept between layers): out of place,
+    (batch, heads, seq, head_dim), with the cos/sin that this release's rotary module returned (checked once
+    per step, :func:`check_cos`), the sections and the ``rope.apply`` resolution bound at patch time."""
+    fam = family_of(model_type)
+    res = resolution if resolution is not None else resolve("rope.apply", fam.name)
+    return Rotation(q, k, cos, sin, fam, res, 2, 1, mrope_section, False, chosen_impl(None))(q, k)
+
+
+def check_cos(model_type, cos, sin):
+    """Raise :class:`RopeShapeError` unless (cos, sin) have the layout this release's attention expects."""
+    import torch
+
+    fam = family_of(model_type)
+    res = resolve("rope.apply", fam.name)
+    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)):
+        raise RopeShapeError(f"tfcompat {fam.name}: the rotary module returned {type(cos).__name__}, "
+                             f"{type(sin).__name__}; expected two tensors")
+    want = 4 if res.plan.cos_rows == 3 else 3
+    if cos.shape != sin.shape or cos.dim() != want or cos.shape[-1] % 2:
+        raise RopeShapeError(f"tfcompat {fam.name}: the rotary module returned cos {tuple(cos.shape)} and sin "
+                             f"{tuple(sin.shape)}; transformers {res.transformers} attention expects "
+                             f"{'(3, batch, seq, dim)' if want == 4 else '(batch, seq, dim)'} with an even dim")

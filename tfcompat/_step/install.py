@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import copy
 import inspect
-import threading
 
-from . import _boundaries
-from .errors import UlyssesError
+from ..errors import UlyssesError
+from .scope import FLASH_KWARGS
 
 _ATTR = "_tfcompat_patch"          # per patched module: its _State
 _MODEL_ATTR = "_tfcompat_model"    # per model passed to patch(): its record
-_FLASH_KWARGS = _boundaries.FLASH_KWARGS
+_FLASH_KWARGS = FLASH_KWARGS
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "cache_params")
 
 
@@ -108,28 +107,6 @@ class _StepMask:
 
     def __repr__(self):
         return f"<tfcompat packed-step boundaries {list(self.step.bounds)}>"
-
-
-_scope = threading.local()
-
-
-def _scoped():
-    stack = getattr(_scope, "stack", None)
-    return stack[-1] if stack else None
-
-
-class _Scope:
-    def __init__(self, value):
-        self.value = value
-
-    def __enter__(self):
-        stack = getattr(_scope, "stack", None)
-        if stack is None:
-            stack = _scope.stack = []
-        stack.append(self.value)
-
-    def __exit__(self, *exc):
-        _scope.stack.pop()
 
 
 _CALLS = None

@@ -5,8 +5,8 @@ whole row's boundaries. Once per step; the patched text and VL forwards call the
 
 from __future__ import annotations
 
-from ._boundaries import explicit_cu, positions_of, text_row
-from .errors import PackingError, UlyssesError
+from ..errors import PackingError, UlyssesError
+from .boundaries import explicit_cu, positions_of, text_row
 
 
 def _fingerprint(ref, position_ids):
@@ -102,7 +102,7 @@ def _check_ulysses_lengths(local, batch, group, state, ref, position_ids, whole,
 def slice_whole_row(module, state, a, explicit):
     """``slice_inputs=True``: the text model got the whole packed row on every rank (verl's VLM call); embed it
     (if ids) and keep this rank's slice of the embeddings, positions and Qwen3-VL's vision rows."""
-    from .ulysses import slice_inputs
+    from ..ulysses import slice_inputs
 
     embeds = a.get("inputs_embeds")
     if embeds is None:
@@ -136,7 +136,7 @@ def shard_positions(state, explicit, position_ids, local, device, rows=2):
     (None when the call names no boundaries)."""
     import torch
 
-    from .ulysses import slice_for_rank
+    from ..ulysses import slice_for_rank
 
     cu = explicit_cu(explicit)
     if cu is None:

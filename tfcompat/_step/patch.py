@@ -21,7 +21,7 @@ do not interfere):
   module (the step: upstream calls it with ``(x, position_ids)`` only);
   below the rotary module the thread-local only trips an error when a mixer's call lost them;
 * every text attention module: projections, q/k norms, Qwen3.5's gated query, RoPE out of place
-  through :func:`tfcompat.rope.rotate` (nothing autograd may have saved is written), Ulysses all-to-all,
+  through :mod:`._step.rotation` (nothing autograd may have saved is written), Ulysses all-to-all,
   :func:`~tfcompat.varlen.varlen_attention`, output projection, in this release's arity;
 * Qwen3.5's Gated DeltaNet layers: run per packed sequence, so no recurrent state leaks.
 
@@ -41,11 +41,11 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from . import _resolve
-from ._families import family as _family
-from ._forwards import FORWARDS
-from ._install import _ATTR, _MODEL_ATTR, _install, _is_wrapper, _patched_as, _State, _uninstall, _unwrapped_children
-from .errors import ModelError, UlyssesError, UnsupportedTransformersError
+from .._probe import resolve as _resolve
+from .._probe.families import family as _family
+from ..errors import ModelError, UlyssesError, UnsupportedTransformersError
+from .forwards import FORWARDS
+from .install import _ATTR, _MODEL_ATTR, _install, _is_wrapper, _patched_as, _State, _uninstall, _unwrapped_children
 
 if TYPE_CHECKING:
     import torch
@@ -90,7 +90,7 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
     if fam.patch_refusal:
         still = "" if fam.nope else ". tfcompat.rope.apply_rope and tfcompat.config.rope_parameters still do"
         raise UnsupportedTransformersError(f"tfcompat.patch cannot serve {fam.name}: {fam.patch_refusal}{still}")
-    from .config import rope_parameters, text_config
+    from ..config import rope_parameters, text_config
 
     resolutions = tuple(_resolve.resolve(kind, fam.name) for kind in ("rope.init", "rope.apply", "attention.signature"))
     plan = resolutions[2].plan
@@ -165,7 +165,7 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
             st.group is ulysses_group and not st.group_lost and st.dummy_visual == dummy_visual and \
             st.slice_inputs == slice_inputs and st.cgroup is context_group
 
-    from ._window import layer_windows
+    from .._probe.window import layer_windows
 
     attention_targets = [m for m, kind in targets if kind == "attention"]
     windows, windows_how = layer_windows(fam, text_config(config), attention_targets) if attention_targets \

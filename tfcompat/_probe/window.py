@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._compat import transformers4
-from .errors import UnsupportedTransformersError
+from ..errors import UnsupportedTransformersError
+from . import transformers4
 
 __all__ = ["layer_windows"]
 
@@ -74,8 +74,8 @@ def _probe(fam, settings) -> dict:
     """{layer index: None (sees every key) or the window's offset from config.sliding_window}."""
     import torch
 
-    from . import _resolve
-    from .testing import tiny_config
+    from . import resolve as _resolve
+    from .tiny import tiny_config
 
     overrides: dict[str, Any] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.items()
                                  if v is not None}
@@ -84,7 +84,7 @@ def _probe(fam, settings) -> dict:
     module = _resolve.resolve("attention.signature", fam.name).target
     try:
         config = tiny_config(fam.name, **overrides)
-        from .config import text_config
+        from .drift import text_config
 
         tc = text_config(config)
         tc._attn_implementation = "eager"

@@ -5,8 +5,12 @@ mixers. Each is a module-level function of ``(module, *args, **kwargs)``, instal
 
 from __future__ import annotations
 
-from . import _boundaries, _resolve, _shards
-from ._install import (
+from .._probe import resolve as _resolve
+from ..errors import PackingError, TfcompatError, UlyssesError
+from . import boundaries as _boundaries
+from . import scope as _carrier
+from . import shards as _shards
+from .install import (
     _ATTR,
     _CACHE_NAMES,
     _FLASH_KWARGS,
@@ -15,12 +19,9 @@ from ._install import (
     _original,
     _recalled_explicit,
     _remember_explicit,
-    _Scope,
-    _scoped,
     _signature,
     _StepMask,
 )
-from .errors import PackingError, TfcompatError, UlyssesError
 
 __all__ = ["FORWARDS"]
 
@@ -31,19 +32,19 @@ def _text_model_forward(self, *args, **kwargs):
 
     state = getattr(self, _ATTR)
     explicit = {k: kwargs.pop(k) for k in _FLASH_KWARGS if k in kwargs}
-    scope = _scoped()
-    if not explicit and scope is not None and scope[0] == "explicit":
-        explicit = scope[1]
+    entry = _carrier.call_entry()
+    if not explicit and isinstance(entry, _carrier.Named):
+        explicit = entry.kwargs
     a = _arguments(self, args, kwargs)
     if a is None:
         return _original(self, state, *args, **kwargs)  # upstream says what is wrong with the call
     ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
     if ref is None:
         return _original(self, state, *args, **kwargs)
-    if explicit and scope is not None and torch.is_grad_enabled():
+    if explicit and entry is not None and torch.is_grad_enabled():
         _remember_explicit(ref, explicit)
-    elif not explicit and scope is None and (found := _recalled_explicit(ref)) is not None:
-        with _Scope(("explicit", found)):  # a checkpoint's recomputation of this call: the same boundaries
+    elif not explicit and entry is None and (found := _recalled_explicit(ref)) is not None:
+        with _carrier.carry(_carrier.Named(found)):  # a checkpoint's recomputation of this call: the same boundaries
             return _text_model_forward(self, *args, **kwargs)
     seen = _boundaries.check_position_shape(state.family, a.get("position_ids"), ref.shape[0], ref.shape[1])
     if (state.split() or state.group_lost) and not explicit and _decoding(a):
@@ -147,7 +148,7 @@ def _packed(self, state, a, step, changed):
         # (some releases cannot parse 3-row ids there); the patched attention does not use it
         changed["attention_mask"] = torch.ones(tuple(ref.shape[:2]), dtype=torch.long, device=ref.device)
     a.update(changed)
-    with _Scope(("step", step)):
+    with _carrier.carry(_carrier.Active(step)):
         return _original(self, state, **a)
 
 
@@ -209,7 +210,7 @@ def _with_explicit(run, args, kwargs):
     explicit = {k: kwargs.pop(k) for k in _FLASH_KWARGS if k in kwargs}
     if not explicit:
         return run(*args, **kwargs)
-    with _Scope(("explicit", explicit)):
+    with _carrier.carry(_carrier.Named(explicit)):
         return run(*args, **kwargs)
 
 
@@ -228,12 +229,12 @@ def _vl_forward(self, *args, **kwargs):
     a = _arguments(self, args, kwargs)
     if a is None:
         return _original(self, state, *args, **kwargs)  # upstream says what is wrong with the call
-    scope = _scoped()
+    entry = _carrier.call_entry()
     ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
-    if scope is not None and scope[0] == "explicit" and torch.is_grad_enabled():
-        _remember_explicit(ref, scope[1])
-    elif scope is None and (found := _recalled_explicit(ref)) is not None:
-        with _Scope(("explicit", found)):  # a checkpoint's recomputation of this call: the same boundaries
+    if isinstance(entry, _carrier.Named) and torch.is_grad_enabled():
+        _remember_explicit(ref, entry.kwargs)
+    elif entry is None and (found := _recalled_explicit(ref)) is not None:
+        with _carrier.carry(_carrier.Named(found)):  # a checkpoint's recomputation of this call: the same boundaries
             return _vl_forward(self, *args, **kwargs)
     pixels = a.get("pixel_values") is not None or a.get("pixel_values_videos") is not None
     decoding = any(a.get(n) is not None for n in _CACHE_NAMES) or \
@@ -244,16 +245,15 @@ def _vl_forward(self, *args, **kwargs):
         args, kwargs = (), a
     if pixels and a.get("input_ids") is not None and a["input_ids"].shape[0] == 1 and \
             (not state.split() or state.slice_inputs):  # this rank holds the whole row
-        scope = _scoped()
-        explicit = scope[1] if scope is not None and scope[0] == "explicit" else {}
+        explicit = _carrier.named() or {}
         _boundaries.check_vision_in_packed_row(self, state.family, a, explicit)
     if pixels and a.get("input_ids") is not None and a.get("mm_token_type_ids") is None and \
             "mm_token_type_ids" in _signature(type(self)).parameters:
-        from .embeds import mm_token_type_ids
+        from ..embeds import mm_token_type_ids
 
         a["mm_token_type_ids"] = mm_token_type_ids(self.config, a["input_ids"])
         args, kwargs = (), a
-    from .embeds import dummy_audio_zero, dummy_visual_zero, has_audio_tower, tie_zero
+    from ..embeds import dummy_audio_zero, dummy_visual_zero, has_audio_tower, tie_zero
 
     # every tower this batch does not feed runs on a dummy input (an omni thinker's audio tower on a batch
     # with images too): DDP/FSDP need the same parameters to get gradients on every rank
@@ -277,8 +277,7 @@ def _row_positions(state, a):
     """A whole text-only VL row with boundaries (cu_seq_lens_q/k, tfcompat.packing.packed) and no position ids:
     upstream would count the mRoPE positions over the row as one sequence; they count from 0 in every sequence
     of the boundaries instead (3 equal rows, as for text tokens), set in ``a``. None where nothing is set."""
-    scope = _scoped()
-    explicit = scope[1] if scope is not None and scope[0] == "explicit" else {}
+    explicit = _carrier.named() or {}
     ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
     cu = _boundaries.explicit_cu(explicit)
     if ref is None or cu is None or ref.shape[0] != 1 or cu.dim() != 1 or cu.numel() < 2 or \
@@ -300,8 +299,7 @@ def _vl_shard(self, state, a, pixels):
             f"every rank, or embed the whole row (tfcompat.embeds.get_input_embeds) and pass this rank's share to "
             f"the text model (tfcompat.ulysses.slice_inputs)")
     if a.get("position_ids") is None:
-        scope = _scoped()
-        explicit = scope[1] if scope is not None and scope[0] == "explicit" else {}
+        explicit = _carrier.named() or {}
         ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
         if ref is not None:
             a["position_ids"] = _shards.shard_positions(state, explicit, None, ref.shape[1], ref.device, rows=3)
@@ -317,13 +315,13 @@ def _vl_shard(self, state, a, pixels):
 def _rotary_forward(self, *args, **kwargs):
     state = getattr(self, _ATTR)
     out = _original(self, state, *args, **kwargs)
-    scope = _scoped()
-    if scope is not None and scope[0] == "step" and isinstance(out, tuple):
-        from .rope import check_cos
+    entry = _carrier.call_entry()
+    if isinstance(entry, _carrier.Active) and isinstance(out, tuple):
+        from .rotation import check_cos
 
         check_cos(state.family, *out)  # once per step: the per-layer rotation trusts this layout
         out = _Carried(out)
-        out.step, out.rotations = scope[1], {}
+        out.step, out.rotations = entry.step, {}
     return out
 
 
@@ -379,8 +377,7 @@ def _with_step_mask(layer, step, args, kwargs):
 def _in_step():
     """True inside a patched text model's packed step (this thread): a tripwire only, for a layer or mixer
     whose call lost the step's carrier; the step itself is never read from here below the rotary module."""
-    scope = _scoped()
-    return scope is not None and scope[0] == "step"
+    return _carrier.in_step()
 
 
 def _lost_step(state, module, what):
@@ -394,7 +391,7 @@ def _lost_step(state, module, what):
 # ------------------------------------------------------------------------------- attention
 def _attention_forward(self, *args, **kwargs):
     """Every layer of a packed step runs this: it reads its arguments, the step (on the position embeddings) and
-    what patch time bound (``state``); the rotation is prepared once per step (:func:`._rotation.for_layers`)."""
+    what patch time bound (``state``); the rotation is prepared once per step (:func:`.rotation.for_layers`)."""
     import torch
 
     state = getattr(self, _ATTR)
@@ -411,8 +408,7 @@ def _attention_forward(self, *args, **kwargs):
     if state.group_lost:
         state.group_or_raise()
 
-    from ._rotation import for_layers
-    from .rope import rotate
+    from .rotation import for_layers, rotate
 
     plan = state.plan  # the attention.signature plan, bound at patch time
     s, d = hidden.shape[1], self.head_dim
@@ -452,7 +448,7 @@ def _attention_forward(self, *args, **kwargs):
 
 def _attend_row(step, q, k, v, scale, window, dropout):
     """Attention over the whole packed row this layer sees (after Ulysses: all of its heads' tokens)."""
-    from .varlen import _varlen
+    from ..varlen import _varlen
 
     if step.total != q.shape[0]:
         raise PackingError(f"tfcompat attention: boundaries cover {step.total} tokens but the layer sees "
@@ -466,7 +462,7 @@ def _attend_split(state, step, q, k, v, scale, dropout):
     attending the whole row's K/V, then back to this rank's tokens."""
     group = state.group
     if group is not None:
-        from .ulysses import repeat_kv_for_group, to_heads
+        from ..ulysses import repeat_kv_for_group, to_heads
 
         # the step checked every rank's slice once (equal lengths); no check (host sync) per layer
         q = to_heads(q, group)
@@ -474,7 +470,7 @@ def _attend_split(state, step, q, k, v, scale, dropout):
         v = to_heads(repeat_kv_for_group(v, state.world), group)
     if state.cgroup is not None:
         # context parallel: this rank's chunks (after Ulysses: of its heads) attend the whole row's K/V
-        from ._context import attend, pieces
+        from .context import attend, pieces
 
         if "context" not in step.memo:  # once per step: Python ints only
             import torch.distributed as dist
@@ -485,7 +481,7 @@ def _attend_split(state, step, q, k, v, scale, dropout):
     else:
         out = _attend_row(step, q, k, v, scale, state.window, dropout)
     if group is not None:
-        from .ulysses import to_sequence
+        from ..ulysses import to_sequence
 
         out = to_sequence(out, group)
     return out

@@ -8,7 +8,7 @@ release; nothing here imports transformers.
 import dataclasses
 from typing import Optional, Union
 
-from .errors import ModelError, UnsupportedTransformersError
+from ..errors import ModelError, UnsupportedTransformersError
 
 PROBE_ONLY = "probe-only"
 

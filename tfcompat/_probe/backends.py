@@ -11,8 +11,8 @@ import importlib.util
 import os
 from typing import Any
 
-from . import _resolve
-from . import version as _version
+from .. import version as _version
+from . import resolve as _resolve
 
 __all__ = ["installed", "torch_ships", "torch_varlen_signature", "torch_varlen_params", "varlen_unfit", "varlen_kernel",
            "unavailable", "select", "flash_varlen", "triton_kernels", "impl_for", "report"]
@@ -46,7 +46,7 @@ def flash_varlen():
 @functools.lru_cache(maxsize=None)
 def torch_varlen_signature():
     """The installed torch's ``varlen_attn`` signature, read from its file (None where torch does not ship it)."""
-    from ._kernels import attention_calls
+    from .._kernels import attention_calls
 
     if not torch_ships("nn/attention/varlen.py"):
         return None
@@ -68,7 +68,7 @@ def varlen_unfit():
     torch without varlen_attn, or a library whose signature no longer takes tfcompat's call (checked once against
     the real function, so a moved upstream signature falls back to the exact SDPA path instead of failing mid-step
     or computing something else)."""
-    from ._kernels import attention_calls
+    from .._kernels import attention_calls
 
     why = {}
     if not installed("flash_attn"):
@@ -118,7 +118,7 @@ def select(op: str, device: Any, dtype: Any = None, dropout: bool = False) -> st
 def _select(op, kind, dtype, dropout):
     """``select`` per (op, device kind, dtype name, dropout), decided once (``impl_for`` runs per apply_rope call);
     what it reads is decided once per process too (``triton_kernels``, ``varlen_unfit``)."""
-    from ._kernels import table
+    from .._kernels import table
 
     for row in table.rows(op):
         if not ("*" in row.devices or kind in row.devices) or (row.dtypes and dtype not in row.dtypes):
@@ -135,7 +135,7 @@ def triton_kernels():
     if not installed("triton"):  # found without importing: absent costs nothing (report imports no torch)
         return "triton is not installed; install triton, or use impl='native' or 'composite'"
     try:
-        from ._kernels import rope_triton
+        from .._kernels import rope_triton
     except ImportError as exc:  # no triton (CPU builds of torch do not ship it)
         return f"triton is not importable ({exc}); install triton, or use impl='native' or 'composite'"
     return rope_triton
@@ -152,7 +152,7 @@ def impl_for(device: Any) -> str:
 
 
 def _kernel_table():
-    from ._kernels import table
+    from .._kernels import table
 
     parts = []
     for op in ("rope", "varlen"):

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._drift import load_config
-from .errors import ConfigError
+from .._probe.drift import load_config
+from ..errors import ConfigError
 
 __all__ = ["load_config", "scaled_config", "KEPT"]
 
@@ -53,8 +53,8 @@ def _layer_count(text) -> int:
 
 def _rope_facts(config: Any) -> Any:
     """The RoPE facts of ``config`` that decide every rotary number (None: a decoder without RoPE)."""
-    from ._families import family
-    from .config import rope_parameters
+    from .._probe.families import family
+    from ..config import rope_parameters
 
     if family(config).nope:
         return None
@@ -66,9 +66,9 @@ def _rope_facts(config: Any) -> Any:
 
 def scaled_config(config: Any) -> tuple[Any, dict]:
     """``(tiny config of the same family, what was kept)`` for a loaded config."""
-    from ._families import family
-    from .config import text_config
-    from .testing import tiny_config
+    from .._probe.families import family
+    from ..config import text_config
+    from ..testing import tiny_config
 
     fam = family(config)
     text = text_config(config)

@@ -12,7 +12,8 @@ proves itself on first use (``_kernels.table``); ``plan`` lists what would run, 
 
 import time
 
-from . import _backends, _checks
+from .._probe import backends as _backends
+from . import checks as _checks
 
 __all__ = ["plan", "run", "unavailable"]
 
@@ -70,7 +71,7 @@ def _rope(name, device, dtype, inplace, vs_cpu):
 def _varlen(device, dtype):
     import torch
 
-    from .varlen import _sdpa_fallback, varlen_attention
+    from ..varlen import _sdpa_fallback, varlen_attention
 
     g = torch.Generator().manual_seed(0)
     cu = torch.tensor([0, 100, 101, 612, 1000], dtype=torch.int32)
@@ -88,7 +89,7 @@ def _varlen(device, dtype):
 
 def run(names, device, dtype, tolerance=None):
     """Yield result dicts (``tfcompat check``'s schema) for ``names`` on ``device`` in ``dtype``."""
-    from ._families import family
+    from .._probe.families import family
 
     _, checks, attention = plan(device, dtype)
     tol_dev = _checks._TOL["bf16"] if dtype != "fp32" else _checks._TOL["fp32"]
@@ -121,9 +122,9 @@ def speed(device, dtype, names, repeats=20):
     (else of the installed families) with a plain NeoX rotary (none: an empty list)."""
     import torch
 
-    from . import _resolve
-    from ._families import family
-    from .rope import apply_rope
+    from .._probe import resolve as _resolve
+    from .._probe.families import family
+    from ..rope import apply_rope
 
     def plain(n):
         if family(n).nope:

@@ -6,17 +6,15 @@ ever added within a schema version.
 
 import argparse
 import dataclasses
-import datetime
 import importlib.metadata
 import json
 import os
 import platform
-import shutil
 import sys
 import time
 
-from . import __version__
-from .errors import ConfigError, TfcompatError
+from .. import __version__
+from ..errors import ConfigError, TfcompatError
 
 SCHEMA = 1
 _PROG = "tfcompat"
@@ -31,7 +29,9 @@ def _dist_version(name):
 
 # ----------------------------------------------------------------------------- report
 def _report(args):
-    from . import _backends, _resolve, version
+    from .. import version
+    from .._probe import backends as _backends
+    from .._probe import resolve as _resolve
 
     doc = {
         "schema": SCHEMA,
@@ -93,7 +93,9 @@ def _report(args):
 
 # ------------------------------------------------------------------------------ check
 def _check(args):
-    from . import _checks, _resolve, version
+    from .. import version
+    from .._probe import resolve as _resolve
+    from . import checks as _checks
 
     if args.device or args.plan or args.dtype:
         return _check_device(args)
@@ -134,15 +136,17 @@ def _check(args):
 
 def _check_model(args):
     """``check --config PATH`` / ``--model PATH``: the user's model (scaled down, or with its weights)."""
-    from . import _checks, _resolve, version
-    from ._drift import load_config
-    from ._families import family
-    from ._scale import scaled_config
+    from .. import version
+    from .._probe import resolve as _resolve
+    from .._probe.drift import load_config
+    from .._probe.families import family
+    from . import checks as _checks
+    from .scale import scaled_config
 
     path = args.model or args.config
     try:
         version.require_supported_transformers("tfcompat check")
-        from ._drift import compare, raw_of
+        from .._probe.drift import compare, raw_of
 
         try:  # the family before transformers' own "does not recognize this architecture"
             named = raw_of(path).get("model_type")
@@ -166,7 +170,7 @@ def _check_model(args):
         if args.model:
             import torch
 
-            from .testing import model_class
+            from ..testing import model_class
 
             model = model_class(fam.name).from_pretrained(path, torch_dtype=torch.float32, local_files_only=True)
             target, kept, how = {"model": model}, {}, f"{path}: its own weights (fp32)"
@@ -221,7 +225,9 @@ def _drift_exit(args, path, drifted):
 
 def _check_device(args):
     """``check --device DEV [--dtype T] [--plan]``: the checks on the user's device (``_device_checks``)."""
-    from . import _device_checks, _resolve, version
+    from .. import version
+    from .._probe import resolve as _resolve
+    from . import device_checks as _device_checks
 
     device = args.device or "cuda"
     dtype = args.dtype or ("fp32" if device == "cpu" else "bf16")
@@ -275,8 +281,8 @@ def _upstream_runs(name, config):
     errors would say nothing."""
     import torch
 
-    from ._checks import _model
-    from .testing import tiny_sequence
+    from ..testing import tiny_sequence
+    from .checks import _model
 
     try:
         model = _model(name, config)
@@ -316,106 +322,13 @@ def _check_fail(args, message):
     return 2
 
 
-# ----------------------------------------------------------------------------- vendor
-_MARKER = "VENDORED"
-
-
-def _vendor(args):
-    source = os.path.dirname(os.path.abspath(__file__))
-    dest = os.path.abspath(args.dest)
-    if os.path.islink(args.dest.rstrip(os.sep)) or os.path.islink(dest):
-        print(f"{_PROG} vendor: {args.dest} is a symlink; refusing to write through it", file=sys.stderr)
-        return 2
-    if os.path.commonpath([source, dest]) in (source, dest):
-        print(f"{_PROG} vendor: {dest} overlaps the package being copied ({source})", file=sys.stderr)
-        return 2
-    if os.path.exists(dest):
-        if not os.path.isdir(dest):
-            print(f"{_PROG} vendor: {dest} exists and is not a folder", file=sys.stderr)
-            return 2
-        earlier = os.path.isfile(os.path.join(dest, _MARKER))
-        if os.listdir(dest) and not earlier and not args.force:
-            print(f"{_PROG} vendor: {dest} exists and is not an earlier tfcompat copy (no {_MARKER} file); "
-                  f"pass --force to copy into it anyway", file=sys.stderr)
-            return 2
-    written = []
-    for root, dirs, files in os.walk(source, followlinks=False):
-        dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not os.path.islink(os.path.join(root, d)))
-        rel = os.path.relpath(root, source)
-        target_dir = os.path.normpath(os.path.join(dest, rel))
-        for name in sorted(files):
-            src = os.path.join(root, name)
-            if os.path.islink(src) or name.endswith((".pyc", ".pyo")):
-                continue
-            target = os.path.join(target_dir, name)
-            if not _inside(dest, target):
-                print(f"{_PROG} vendor: {target} would escape {dest}; nothing more written", file=sys.stderr)
-                return 2
-            os.makedirs(target_dir, exist_ok=True)
-            if os.path.islink(target):
-                print(f"{_PROG} vendor: {target} is a symlink; refusing to write through it", file=sys.stderr)
-                return 2
-            shutil.copyfile(src, target)
-            written.append(os.path.relpath(target, dest))
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    commit = _commit(source)
-    with open(os.path.join(dest, _MARKER), "w") as fh:  # never a path: this file lands in other repositories
-        fh.write(f"tfcompat {__version__}\nvendored {stamp}\ncommit {commit}\n"
-                 f"Import it relatively (from ._vendor import tfcompat); do not edit: re-run `tfcompat vendor`.\n")
-    made = _parent_packages(dest)
-    print(f"copied tfcompat {__version__} ({len(written)} files) into {dest}; wrote {os.path.join(dest, _MARKER)}")
-    for path in made:
-        print(f"made {path} (a package, so setuptools' find_packages puts the copy in your wheel)")
-    return 0
-
-
-_ROOT_MARKERS = ("pyproject.toml", "setup.py", "setup.cfg", ".git")
-
-
-def _parent_packages(dest):
-    """Empty ``__init__.py`` in every folder between the project root (the nearest folder above DEST with a
-    pyproject.toml, setup.py, setup.cfg or .git; else DEST's parent) and DEST that lacks one: without them
-    ``find_packages`` (verl's setup.py, most setuptools projects) leaves the vendored copy out of a wheel."""
-    folders = []
-    here = os.path.dirname(dest)
-    while True:
-        if any(os.path.exists(os.path.join(here, m)) for m in _ROOT_MARKERS):
-            break
-        folders.append(here)
-        up = os.path.dirname(here)
-        if up == here:  # no project root above: only DEST's parent
-            folders = folders[:1]
-            break
-        here = up
-    made = []
-    for folder in reversed(folders):
-        init = os.path.join(folder, "__init__.py")
-        if not os.path.exists(init):
-            with open(init, "w") as fh:
-                fh.write("# made by `tfcompat vendor`: the vendored copy below is a package of this project\n")
-            made.append(init)
-    return made
-
-
-def _commit(source):
-    """The git commit the package was copied from, or "unknown" (an installed copy, no git)."""
-    import subprocess
-
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=source, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    sha = out.stdout.strip()
-    return sha if out.returncode == 0 and len(sha) == 40 else "unknown"
-
-
-def _inside(root, path):
-    real_root = os.path.realpath(root)
-    real = os.path.realpath(path)
-    return os.path.commonpath([real_root, real]) == real_root
-
-
 # ------------------------------------------------------------------------------- main
+def _vendor(args):
+    from .vendor import vendor
+
+    return vendor(args)
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog=_PROG, description="Keep GLM/Qwen VLM training code correct across "
                                                              "transformers releases.")
@@ -445,6 +358,8 @@ def build_parser():
     p = sub.add_parser("vendor", help="copy the package into DEST (e.g. myproj/_vendor/tfcompat)")
     p.add_argument("dest", metavar="DEST")
     p.add_argument("--force", action="store_true", help="copy into a folder that is not an earlier tfcompat copy")
+    p.add_argument("--no-tools", action="store_true", help="leave out the tools (this command, the checks, config "
+                                                          "scaling): the compatibility layer alone")
     p.set_defaults(func=_vendor)
     return parser
 

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import _families
-from . import packing as _packing
-from .errors import PackingError, UlyssesError
+from .._probe import families as _families
+from ..errors import PackingError, UlyssesError
+from .scope import FLASH_KWARGS, Packed, innermost
 
 # what transformers' DataCollatorWithFlattening can emit beside position ids: consumed by the patched text model
 # (validated once per step, turned into the step's boundaries), never forwarded where upstream misreads them
-FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +31,7 @@ class Step:
 
 def make_step(cu, total, max_len=None, what="boundaries", max_len_k=None, tail=False):
     """``tail``: the last range is the padding a sequence-parallel row was given (not the caller's sequence)."""
-    from .varlen import check_cu_seqlens
+    from .._kernels.cu import check_cu_seqlens
 
     bounds = check_cu_seqlens(cu, total, what)
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
@@ -161,8 +160,8 @@ def explicit_cu(explicit):
     cu = explicit.get("cu_seq_lens_q")
     if cu is None:
         cu = explicit.get("cu_seq_lens_k")
-    if cu is None and _packing.current() is not None:
-        cu = _packing.current()[0]
+    if cu is None and (packed := innermost(Packed)) is not None:
+        cu = packed.cu
     return cu
 
 
@@ -223,8 +222,8 @@ def _given_cu(explicit, batch, local, device):
                                f"{cu.tolist()}; pass both from the same collator")
         if cu is None:
             cu, source = from_idx.to(device), "seq_idx"
-    if cu is None and _packing.current() is not None:
-        cu, max_len = _packing.current()
+    if cu is None and (packed := innermost(Packed)) is not None:
+        cu, max_len = packed.cu, packed.max_len
         source = "packing.packed(cu)"
         explicit = {"max_length_q": max_len}
     return cu, source, explicit
@@ -294,7 +293,7 @@ def _step_of_positions(state, group, position_ids, text, kind, valid, total, dev
 
     rows = text if text is not None else position_ids[:, 0]  # (1, n) text row, or (3, n) T/H/W rows
     if group is not None:
-        from .ulysses import gather_from_ranks
+        from ..ulysses import gather_from_ranks
 
         if valid is not None:
             raise UlyssesError(f"tfcompat {state.family}: a Ulysses shard with padding in attention_mask; pack the "
@@ -349,15 +348,15 @@ def check_vision_in_packed_row(owner, family, a, explicit):
     a run of placeholder tokens, and 2-D (text) position ids would give the vision tokens text positions."""
     import torch
 
-    from .embeds import mm_token_type_ids
+    from .._probe.tokens import mm_token_type_ids
 
     ids = a["input_ids"]
     explicit = dict(explicit, **{k: a[k] for k in FLASH_KWARGS if a.get(k) is not None})
     position_ids = a.get("position_ids")
     text = text_row(position_ids)
     cu = explicit.get("cu_seq_lens_q", explicit.get("cu_seq_lens_k"))
-    if cu is None and _packing.current() is not None:
-        cu = _packing.current()[0]
+    if cu is None and (packed := innermost(Packed)) is not None:
+        cu = packed.cu
     n = ids.shape[-1]
     if isinstance(cu, torch.Tensor) and cu.device.type != "meta" and cu.dim() == 1:
         inner = cu[1:-1].to(device=ids.device, dtype=torch.long)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import UlyssesError
+from ..errors import UlyssesError
 
 __all__ = ["chunks_of", "padded_total", "slice_rows", "gather_rows", "attend"]
 

@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from .errors import ConfigError, TfcompatError
+from ..errors import ConfigError, TfcompatError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +111,8 @@ def _intent(raw):
 def _built(config):
     """What this release builds from the loaded config: its rotary module's type, theta and rotary width."""
 
-    from . import _resolve
-    from ._families import family
+    from . import resolve as _resolve
+    from .families import family
 
     fam = family(config)
     text = text_config(config)
@@ -144,7 +144,7 @@ def drift(path_or_config: Any) -> list:
 
 def compare(raw: dict, config: Any) -> list:
     """:func:`drift` of a file's dict and the config this release loaded from it."""
-    from ._families import family
+    from .families import family
 
     if family(config).nope:
         return []
@@ -176,6 +176,6 @@ def compare(raw: dict, config: Any) -> list:
 
 
 def _release():
-    from . import version
+    from .. import version
 
     return str(version.transformers_version())

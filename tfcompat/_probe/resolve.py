@@ -15,13 +15,13 @@ import re
 import sys
 import threading
 
-from . import version as _version
-from ._compat import transformers4
-from ._families import FAMILIES, PROBE_ONLY
-from ._families import family as _family
-from ._plans import AttentionPlan, RopeIndexPlan, RopeInitPlan, RopePlan  # noqa: F401 (public here)
-from ._source import _Def, _exists, _Imported, _load, _module, _read, _root, _Text  # noqa: F401 (re-exported)
-from .errors import TfcompatError, UnsupportedTransformersError
+from .. import version as _version
+from ..errors import TfcompatError, UnsupportedTransformersError
+from . import transformers4
+from .families import FAMILIES, PROBE_ONLY
+from .families import family as _family
+from .plans import AttentionPlan, RopeIndexPlan, RopeInitPlan, RopePlan  # noqa: F401 (public here)
+from .source import _Def, _exists, _Imported, _load, _module, _read, _root, _Text  # noqa: F401 (re-exported)
 
 __all__ = ["Resolution", "resolve", "report", "clear_cache", "installed_families"]
 

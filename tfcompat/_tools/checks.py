@@ -7,7 +7,7 @@ Inputs are tiny random tensors and tiny random-weight configs; nothing is downlo
 
 import time
 
-from .testing import MODEL_RTOL
+from ..testing import MODEL_RTOL
 
 # fp32: a few ulp of O(1) values; bf16: two ulps (2**-5 each) for |x| < 8
 _TOL = {"fp32": 1e-5, "bf16": 2.0 ** -4}
@@ -30,9 +30,9 @@ def _result(name, check, fn, tolerance):
 def _setup(name, dtype, seed=0, batch=2, seq=23, config=None):
     import torch
 
-    from . import _resolve
-    from .config import rope_parameters, text_config
-    from .testing import tiny_config
+    from .._probe import resolve as _resolve
+    from ..config import rope_parameters, text_config
+    from ..testing import tiny_config
 
     res = _resolve.resolve("rope.init", name)
     config = tiny_config(name) if config is None else config
@@ -64,7 +64,7 @@ def _rope_vs_upstream(name, dtype, inplace, config=None, device=None, impl="nati
     backward; on ``device`` (inputs drawn on the CPU and moved); ``vs_cpu``: against upstream in fp32 on the CPU."""
     import torch
 
-    from .rope import apply_rope, apply_rope_
+    from ..rope import apply_rope, apply_rope_
 
     config, _, cos, sin, q, k, g = _setup(name, dtype, config=config)
     gq, gk = torch.randn(q.shape, generator=g).to(dtype), torch.randn(k.shape, generator=g).to(dtype)
@@ -85,7 +85,7 @@ def _rope_vs_upstream(name, dtype, inplace, config=None, device=None, impl="nati
 def _config_vs_rotary(name, config=None):
     import torch
 
-    from .config import rope_parameters
+    from ..config import rope_parameters
 
     config, rot, *_ = _setup(name, torch.float32, config=config)
     rp = rope_parameters(config)
@@ -103,7 +103,7 @@ def _config_vs_rotary(name, config=None):
 def _forward_kwargs(model, ids, pixels):
     import inspect
 
-    from .embeds import mm_token_type_ids
+    from ..embeds import mm_token_type_ids
 
     kw = dict(pixels)
     if "mm_token_type_ids" in inspect.signature(type(model).forward).parameters and pixels:
@@ -114,7 +114,7 @@ def _forward_kwargs(model, ids, pixels):
 def _model(name, config):
     import torch
 
-    from .testing import model_class, tiny_model
+    from ..testing import model_class, tiny_model
 
     if config is None:
         return tiny_model(name)
@@ -127,11 +127,11 @@ def _packed_vs_padded(name, config=None, model=None, device=None):
     ``device``: the model and every input moved there, the inputs drawn on the CPU as everywhere)."""
     import torch
 
-    from . import _patch
-    from ._families import family
-    from .embeds import rope_index
-    from .packing import pack, unpack
-    from .testing import padded_batch, tiny_pixels, tiny_sequence
+    from .._probe.families import family
+    from .._step import patch as _patch
+    from ..embeds import rope_index
+    from ..packing import pack, unpack
+    from ..testing import padded_batch, tiny_pixels, tiny_sequence
 
     # a model with its own weights (--model): text rows (the tiny rows' image ids are not its image ids)
     vision = family(name).vision and model is None
@@ -182,8 +182,8 @@ def _packed_vs_padded(name, config=None, model=None, device=None):
 def _embeds_vs_model(name, images, config=None):
     import torch
 
-    from .embeds import get_input_embeds
-    from .testing import tiny_pixels, tiny_sequence
+    from ..embeds import get_input_embeds
+    from ..testing import tiny_pixels, tiny_sequence
 
     model = _model(name, config)
     ids = torch.tensor([tiny_sequence(name, text=5, image=bool(images), config=model.config)])
@@ -253,7 +253,7 @@ def _dtype(name):
 def run_family(name, tolerance=None, config=None, model=None):
     """Run every check for one family (on ``config`` or ``model`` where given); yields result dicts as they
     finish."""
-    from ._families import family
+    from .._probe.families import family
 
     fam = family(name)
     for check, fn, why_not, what in CHECKS:

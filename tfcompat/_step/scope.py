@@ -1,0 +1,89 @@
+"""The one carrier of a call's packed-step facts down the model: a thread-local stack of typed entries.
+
+* :class:`Named`: the boundaries a call named (the flash-attn keyword arguments the model ``patch()`` was given
+  took out of upstream's call, handed to its text model);
+* :class:`Packed`: ``tfcompat.packing.packed(cu, max_len)``, boundaries for every patched call in the block;
+* :class:`Active`: the packed step being run (the rotary module hands it to the layers on its output; the
+  layers read it from their own arguments, this entry is only a tripwire for a layer that lost it).
+
+The layers never read this stack: what they need rides in their call's arguments (a checkpoint's recomputation
+replays them).
+"""
+
+from __future__ import annotations
+
+import threading
+
+#: the flash-attn keyword arguments that name a packed row's boundaries (transformers' own names)
+FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+_local = threading.local()
+
+
+class Named:
+    __slots__ = ("kwargs",)
+
+    def __init__(self, kwargs):
+        self.kwargs = kwargs
+
+
+class Packed:
+    __slots__ = ("cu", "max_len")
+
+    def __init__(self, cu, max_len):
+        self.cu, self.max_len = cu, max_len
+
+
+class Active:
+    __slots__ = ("step",)
+
+    def __init__(self, step):
+        self.step = step
+
+
+def _stack():
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+def innermost(kind):
+    """The innermost entry of ``kind`` on this thread, or None."""
+    for entry in reversed(getattr(_local, "stack", ()) or ()):
+        if isinstance(entry, kind):
+            return entry
+    return None
+
+
+def call_entry():
+    """The innermost Named or Active entry (what the call being run was handed), or None."""
+    for entry in reversed(getattr(_local, "stack", ()) or ()):
+        if not isinstance(entry, Packed):
+            return entry
+    return None
+
+
+def named():
+    """The boundaries the enclosing call named (a dict), or None where the innermost call entry is not Named."""
+    entry = call_entry()
+    return entry.kwargs if isinstance(entry, Named) else None
+
+
+def in_step():
+    """True inside a patched text model's packed step (this thread)."""
+    return isinstance(call_entry(), Active)
+
+
+class carry:
+    """``with carry(entry):`` the entry is innermost on this thread inside the block."""
+
+    def __init__(self, entry):
+        self.entry = entry
+
+    def __enter__(self):
+        _stack().append(self.entry)
+        return self.entry
+
+    def __exit__(self, *exc):
+        _stack().pop()
