@@ -11,7 +11,7 @@ import dataclasses
 
 from .._probe import families as _families
 from ..errors import PackingError, UlyssesError
-from .scope import FLASH_KWARGS, Packed, innermost
+from .scope import Packed, innermost
 
 # what transformers' DataCollatorWithFlattening can emit beside position ids: consumed by the patched text model
 # (validated once per step, turned into the step's boundaries), never forwarded where upstream misreads them
@@ -325,68 +325,3 @@ def _step_of_positions(state, group, position_ids, text, kind, valid, total, dev
     bounds = starts + [total]
     cu = torch.tensor(bounds, dtype=torch.int32, device=device)
     return Step(cu, tuple(bounds), max(b - a for a, b in zip(bounds[:-1], bounds[1:])), total)
-
-
-def label_starts(kwargs, n):
-    """Sequence starts after the first (Python ints) of a packed row of ``n`` tokens, as the top-level call names
-    them (the flattening collator's boundaries, tfcompat.packing.packed, or the text row of the positions); []
-    for a row that is not packed or whose boundaries the text model will refuse."""
-    import torch
-
-    cu = explicit_cu(kwargs)
-    if isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.numel() >= 2:
-        return [int(x) for x in cu.tolist()[1:-1] if 0 < int(x) < n]
-    text = text_row(kwargs.get("position_ids"))
-    if text is None or text.shape != (1, n) or mask_valid(kwargs.get("attention_mask"), n) is not None:
-        return []
-    t = text[0]
-    return (torch.nonzero(t[1:] == 0).flatten() + 1).tolist()
-
-
-def check_vision_in_packed_row(owner, family, a, explicit):
-    """A packed row with images or videos (one host sync per step): its sequence starts must not fall inside
-    a run of placeholder tokens, and 2-D (text) position ids would give the vision tokens text positions."""
-    import torch
-
-    from .._probe.tokens import mm_token_type_ids
-
-    ids = a["input_ids"]
-    explicit = dict(explicit, **{k: a[k] for k in FLASH_KWARGS if a.get(k) is not None})
-    position_ids = a.get("position_ids")
-    text = text_row(position_ids)
-    cu = explicit.get("cu_seq_lens_q", explicit.get("cu_seq_lens_k"))
-    if cu is None and (packed := innermost(Packed)) is not None:
-        cu = packed.cu
-    n = ids.shape[-1]
-    if isinstance(cu, torch.Tensor) and cu.device.type != "meta" and cu.dim() == 1:
-        inner = cu[1:-1].to(device=ids.device, dtype=torch.long)
-        slot = torch.where((inner > 0) & (inner < n), inner, n)  # a boundary outside the row: the spare slot n
-        start = torch.zeros(n + 1, dtype=torch.bool, device=ids.device).index_fill(0, slot, True)[:n]
-    elif text is not None:
-        valid = mask_valid(a.get("attention_mask"), n)
-        if isinstance(valid, str):
-            return  # a 4-D mask (or a cache's longer one) says itself what attends: upstream's own path
-        if valid is not None:  # one prompt with padding (generate(), assisted decoding): not a packed row
-            if len(starts_of(text[0], valid, "position ids")) > 1:
-                raise PackingError(f"tfcompat {family}: the position ids restart at 0 (a packed row) but "
-                                   f"attention_mask has padding in the row; drop the padding "
-                                   f"(tfcompat.packing.pack does) or pass no mask")
-            return
-        start = torch.cat((text[0][:1] != text[0][:1], text[0][1:] == 0))  # a sequence begins at position 0
-    else:
-        return
-    vision = mm_token_type_ids(owner.config, ids)[0] != 0
-    inside = start & vision & torch.cat((vision[:1] & False, vision[:-1]))
-    # one host sync for the whole check: whether the row restarts anywhere, and the first start inside a run
-    # of placeholder tokens (-1: none)
-    restarts, first = torch.stack((start.any().long(), torch.where(inside.any(), inside.long().argmax(), -1))).tolist()
-    if position_ids is not None and position_ids.dim() == 2 and restarts:
-        raise PackingError(
-            f"tfcompat {family}: a packed row with images or videos and 2-D position ids: the vision tokens "
-            f"would get text positions; pass the mRoPE ids (tfcompat.embeds.rope_index) to "
-            f"tfcompat.packing.pack(..., config=model.config), which builds 4-row ids")
-    if first >= 0:
-        raise PackingError(
-            f"tfcompat {family}: a sequence of the packed row starts at token {first}, inside the "
-            f"placeholder tokens of an image or video; every image and video must lie within one sequence; "
-            f"check the boundaries (cu_seq_lens_q or the text row of the position ids)")

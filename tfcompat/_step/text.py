@@ -1,0 +1,147 @@
+"""The text model's forward: decides the step once per call (the boundaries named, counted from the position ids,
+or this rank's slice of the whole row's), checks it, and runs upstream's call inside it; generate()'s calls and
+unpacked batches run upstream's own path. Installed by reference, as :mod:`.forwards`.
+"""
+
+from __future__ import annotations
+
+from .._probe import resolve as _resolve
+from ..errors import PackingError, TfcompatError, UlyssesError
+from . import boundaries as _boundaries
+from . import scope as _carrier
+from . import shards as _shards
+from .install import (
+    _ATTR,
+    _CACHE_NAMES,
+    _FLASH_KWARGS,
+    _arguments,
+    _original,
+    _recalled_explicit,
+    _remember_explicit,
+    _signature,
+)
+
+
+def text_model_forward(self, *args, **kwargs):
+    import torch
+
+    state = getattr(self, _ATTR)
+    explicit = {k: kwargs.pop(k) for k in _FLASH_KWARGS if k in kwargs}
+    entry = _carrier.call_entry()
+    if not explicit and isinstance(entry, _carrier.Named):
+        explicit = entry.kwargs
+    a = _arguments(self, args, kwargs)
+    if a is None:
+        return _original(self, state, *args, **kwargs)  # upstream says what is wrong with the call
+    ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
+    if ref is None:
+        return _original(self, state, *args, **kwargs)
+    if explicit and entry is not None and torch.is_grad_enabled():
+        _remember_explicit(ref, explicit)
+    elif not explicit and entry is None and (found := _recalled_explicit(ref)) is not None:
+        with _carrier.carry(_carrier.Named(found)):  # a checkpoint's recomputation of this call: the same boundaries
+            return text_model_forward(self, *args, **kwargs)
+    seen = _boundaries.check_position_shape(state.family, a.get("position_ids"), ref.shape[0], ref.shape[1])
+    if (state.split() or state.group_lost) and not explicit and _decoding(a):
+        return _decode_under_group(self, state, a, seen, ref, args, kwargs)
+    state.group_or_raise()
+    split = state.split()  # the sequence groups: Ulysses, context parallel, or both
+    if split and state.slice_inputs:
+        a = _shards.slice_whole_row(self, state, a, explicit)
+        ref = a["inputs_embeds"]
+    elif split:  # this rank's slice; beside the whole row's boundaries its positions come from them
+        named = _boundaries.explicit_cu(explicit) is not None
+        _shards.check_shards(state, split.values(), ref.shape[1], ref.shape[0], ref, a.get("position_ids"),
+                             named=named)
+        a["position_ids"] = _shards.shard_positions(state, explicit, a.get("position_ids"), ref.shape[1],
+                                                    ref.device)
+    batch, local = ref.shape[0], ref.shape[1]
+    position_ids = _boundaries.check_position_shape(state.family, a.get("position_ids"), batch, local)
+    _check_mask_length(state, a, batch, local)
+    changed = {}
+    plan = _resolve.resolve("attention.signature", state.family).plan
+    if position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 4 and not plan.four_row_ids:
+        changed["position_ids"] = position_ids[1:]  # this release's text model predates the 4-row layout
+    step = _boundaries.find_step(state, next(iter(split.values()), None), explicit, position_ids,
+                                 a.get("attention_mask"), batch, local, ref.device)
+    if step is None:
+        return _unpacked(self, state, a, position_ids, changed, args, kwargs)
+    return _packed(self, state, a, step, changed)
+
+
+def _decoding(a):
+    """generate()'s call: a KV cache, or (5.0-5.2 prefill, which creates the cache) cache_position with caching."""
+    return any(a.get(n) is not None for n in _CACHE_NAMES) or \
+        (a.get("cache_position") is not None and a.get("use_cache") is not False)
+
+
+def _decode_under_group(self, state, a, seen, ref, args, kwargs):
+    """generate() with the policy being trained (an RL rollout): every rank decodes its own batch with its own
+    KV cache, as the unpatched model does; nothing is split (a training slice carries no cache). A packed row
+    cannot be decoded so (its sequences would share the cache): refused, as without a group."""
+    if _boundaries.find_step(state, None, {}, seen, a.get("attention_mask"), ref.shape[0], ref.shape[1],
+                             ref.device) is not None:
+        raise UlyssesError(f"tfcompat {state.family}: a packed row (or a sequence-parallel slice of one) was "
+                           f"passed with a KV cache or cache_position; pass use_cache=False and no "
+                           f"past_key_values for training, or unpack the row for generation")
+    return _original(self, state, *args, **kwargs)
+
+
+def _check_mask_length(state, a, batch, local):
+    mask = a.get("attention_mask")
+    if getattr(mask, "dim", lambda: 0)() == 2 and mask.shape[-1] != local and \
+            not any(a.get(n) is not None for n in _CACHE_NAMES):
+        raise PackingError(
+            f"tfcompat {state.family}: attention_mask of shape {tuple(mask.shape)} for an input of {local} tokens "
+            f"and no KV cache (only a cache makes a mask longer than the input); pass a ({batch}, {local}) mask, "
+            f"or none for a packed row")
+
+
+def _unpacked(self, state, a, position_ids, changed, args, kwargs):
+    """Not a packed step: upstream's own call, with 3-row ids given a mask of ones (and 4-row ids cut to 3 rows
+    on releases that predate them)."""
+    import torch
+
+    ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
+    if position_ids is not None and position_ids.dim() == 3 and a.get("attention_mask") is None and \
+            "attention_mask" in _signature(type(self)).parameters:
+        # the numbers of a mask of ones (one unpadded sample per row); transformers 4.53-4.57 crash building
+        # the causal mask from 3-row ids without a mask (Qwen2-VL, GLM-4V), and 5.x would read the temporal
+        # row as packed-sequence starts. With a KV cache (generate()), the mask covers the cached tokens too.
+        cache = next((a[n] for n in _CACHE_NAMES if a.get(n) is not None), None)
+        past = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
+        changed["attention_mask"] = torch.ones((ref.shape[0], past + ref.shape[1]), dtype=torch.long,
+                                               device=ref.device)
+    if changed:
+        a.update(changed)
+        return _original(self, state, **a)
+    return _original(self, state, *args, **kwargs)
+
+
+def _packed(self, state, a, step, changed):
+    """A packed step: upstream's call with no cache and a mask of ones, inside the step's scope (the rotary
+    module hands the step to the layers on the position embeddings)."""
+    import torch
+
+    cache = next((a[n] for n in _CACHE_NAMES if a.get(n) is not None), None)
+    if cache is not None:
+        raise TfcompatError(
+            f"tfcompat {state.family}: a packed row (or Ulysses shard) was passed with a KV cache "
+            f"({type(cache).__name__}); sequences of a packed row cannot share one cache; pass use_cache=False "
+            f"and no past_key_values for training, or unpack the row for generation"
+        )
+    if a.get("output_attentions"):
+        raise TfcompatError(
+            f"tfcompat {state.family}: output_attentions=True on a packed row (or Ulysses shard): the packed "
+            f"attention computes no weight matrix; call the unpatched model on the padded batch to inspect weights"
+        )
+    ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
+    if "use_cache" in _signature(type(self)).parameters or "use_cache" in a:
+        changed["use_cache"] = False  # no cache for a packed row: the configs' default would create one
+    if "attention_mask" in _signature(type(self)).parameters:
+        # an explicit all-ones mask keeps upstream mask builders from re-reading packed position ids
+        # (some releases cannot parse 3-row ids there); the patched attention does not use it
+        changed["attention_mask"] = torch.ones(tuple(ref.shape[:2]), dtype=torch.long, device=ref.device)
+    a.update(changed)
+    with _carrier.carry(_carrier.Active(step)):
+        return _original(self, state, **a)

@@ -1,0 +1,248 @@
+"""The forwards above the text model: the model ``patch()`` was given (takes the flash-attn keyword arguments on
+every release and hands them to its text model through the carrier; packed labels) and the module owning the
+vision tower (mm_token_type_ids, the vision checks of a packed row, sequence-parallel slices of a VL row, the
+dummy tower run on text-only batches). Installed by reference, as :mod:`.forwards`.
+"""
+
+from __future__ import annotations
+
+from ..errors import PackingError, UlyssesError
+from . import boundaries as _boundaries
+from . import scope as _carrier
+from . import shards as _shards
+from .install import (
+    _ATTR,
+    _CACHE_NAMES,
+    _FLASH_KWARGS,
+    _arguments,
+    _original,
+    _recalled_explicit,
+    _remember_explicit,
+    _signature,
+)
+
+
+def top_forward(self, *args, **kwargs):
+    """The model patch() was given: takes the flash-attn keyword arguments on every release and hands them to
+    the text model of this call, out of upstream's call: 4.51-4.52 VL forwards reject them, and 5.x VL
+    forwards pass ``**kwargs`` to the vision tower as well, whose flash attention names its own
+    ``cu_seq_lens_q`` (the text row's would collide there)."""
+    state = getattr(self, _ATTR)
+    _refuse_whole_row_labels(state, kwargs)
+    _packed_labels(state, kwargs)
+    return _with_explicit(lambda *a, **k: _original(self, state, *a, **k), args, kwargs)
+
+
+def vl_top_forward(self, *args, **kwargs):
+    """Both: the model patch() was given also owns the vision tower (4.51 ForConditionalGeneration)."""
+    _refuse_whole_row_labels(getattr(self, _ATTR), kwargs)
+    _packed_labels(getattr(self, _ATTR), kwargs)
+    return _with_explicit(lambda *a, **k: vl_forward(self, *a, **k), args, kwargs)
+
+
+def _packed_labels(state, kwargs):
+    """``labels`` of a packed row: upstream's shift makes each sequence's last token predict the next sequence's
+    first, a target the padded batch does not have. Those targets are dropped (-100, out of place), as
+    DataCollatorWithFlattening does; with ``num_items_in_batch`` (the Trainer's count of targets, taken from
+    the same labels) the count would include them too: refused. One host sync per step with labels."""
+    import torch
+
+    labels = kwargs.get("labels")
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 2 or labels.shape[0] != 1 or state.split():
+        return
+    starts = label_starts(kwargs, labels.shape[1])
+    if not starts:
+        return
+    index = torch.tensor(starts, dtype=torch.long, device=labels.device)
+    crossing = labels.index_select(1, index) != -100
+    if not bool(crossing.any()):
+        return
+    if kwargs.get("num_items_in_batch") is not None:
+        raise PackingError(
+            f"tfcompat {state.family}: labels of a packed row hold targets at sequence starts "
+            f"{[s for s, c in zip(starts, crossing[0].tolist()) if c]}: upstream's shift would make each "
+            f"sequence's last token predict the next sequence's first, and num_items_in_batch counted those "
+            f"targets; set labels to -100 at every sequence start before counting (DataCollatorWithFlattening "
+            f"does), or pass no num_items_in_batch (tfcompat then drops those targets)")
+    kwargs["labels"] = labels.index_fill(1, index, -100)
+
+
+def _refuse_whole_row_labels(state, kwargs):
+    if state.slice_inputs and state.split() and kwargs.get("labels") is not None:
+        raise UlyssesError(
+            f"tfcompat {state.family}: labels with slice_inputs=True: the model returns this rank's slice of the "
+            f"logits, which upstream's loss cannot pair with the whole row's labels; call without labels and "
+            f"compute the loss on the gathered logits (tfcompat.ulysses.gather_from_ranks), or on this rank's "
+            f"slice of the shifted labels (tfcompat.ulysses.slice_for_rank)")
+
+
+def _with_explicit(run, args, kwargs):
+    explicit = {k: kwargs.pop(k) for k in _FLASH_KWARGS if k in kwargs}
+    if not explicit:
+        return run(*args, **kwargs)
+    with _carrier.carry(_carrier.Named(explicit)):
+        return run(*args, **kwargs)
+
+
+def vl_forward(self, *args, **kwargs):
+    """The module that owns the vision tower.
+
+    * Supplies ``mm_token_type_ids`` (from input_ids) where this release's forward takes it and the caller
+      gave none: 5.3+ forwards need it to position image and video tokens.
+    * On a text-only training batch, runs the tower on the smallest valid input and adds one zero-weighted
+      scalar to the token embeddings (out of place), so every vision weight gets a zero gradient on every
+      rank (DDP and FSDP stay in step); the numbers are unchanged.
+    """
+    import torch
+
+    state = getattr(self, _ATTR)
+    a = _arguments(self, args, kwargs)
+    if a is None:
+        return _original(self, state, *args, **kwargs)  # upstream says what is wrong with the call
+    entry = _carrier.call_entry()
+    ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
+    if isinstance(entry, _carrier.Named) and torch.is_grad_enabled():
+        _remember_explicit(ref, entry.kwargs)
+    elif entry is None and (found := _recalled_explicit(ref)) is not None:
+        with _carrier.carry(_carrier.Named(found)):  # a checkpoint's recomputation of this call: the same boundaries
+            return vl_forward(self, *args, **kwargs)
+    pixels = a.get("pixel_values") is not None or a.get("pixel_values_videos") is not None
+    decoding = any(a.get(n) is not None for n in _CACHE_NAMES) or \
+        (a.get("cache_position") is not None and a.get("use_cache") is not False)
+    if state.split() and not state.slice_inputs and not decoding:  # generate(): each rank its own prompts
+        args, kwargs = (), _vl_shard(self, state, a, pixels)
+    elif not pixels and a.get("position_ids") is None and _row_positions(state, a) is not None:
+        args, kwargs = (), a
+    if pixels and a.get("input_ids") is not None and a["input_ids"].shape[0] == 1 and \
+            (not state.split() or state.slice_inputs):  # this rank holds the whole row
+        explicit = _carrier.named() or {}
+        check_vision_in_packed_row(self, state.family, a, explicit)
+    if pixels and a.get("input_ids") is not None and a.get("mm_token_type_ids") is None and \
+            "mm_token_type_ids" in _signature(type(self)).parameters:
+        from ..embeds import mm_token_type_ids
+
+        a["mm_token_type_ids"] = mm_token_type_ids(self.config, a["input_ids"])
+        args, kwargs = (), a
+    from ..embeds import dummy_audio_zero, dummy_visual_zero, has_audio_tower, tie_zero
+
+    # every tower this batch does not feed runs on a dummy input (an omni thinker's audio tower on a batch
+    # with images too): DDP/FSDP need the same parameters to get gradients on every rank
+    audio = has_audio_tower(self) and a.get("input_features") is None
+    if (pixels and not audio) or not state.dummy_visual or not (self.training and torch.is_grad_enabled()):
+        return _original(self, state, *args, **kwargs)
+    zero = dummy_visual_zero(self) if not pixels else None
+    if audio:
+        zero = dummy_audio_zero(self) if zero is None else zero + dummy_audio_zero(self)
+    if a.get("inputs_embeds") is not None:
+        a["inputs_embeds"] = tie_zero(a["inputs_embeds"], zero)
+        return _original(self, state, **a)
+    hook = self.get_input_embeddings().register_forward_hook(lambda m, i, out: tie_zero(out, zero))
+    try:
+        return _original(self, state, *args, **kwargs)
+    finally:
+        hook.remove()
+
+
+def _row_positions(state, a):
+    """A whole text-only VL row with boundaries (cu_seq_lens_q/k, tfcompat.packing.packed) and no position ids:
+    upstream would count the mRoPE positions over the row as one sequence; they count from 0 in every sequence
+    of the boundaries instead (3 equal rows, as for text tokens), set in ``a``. None where nothing is set."""
+    explicit = _carrier.named() or {}
+    ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
+    cu = _boundaries.explicit_cu(explicit)
+    if ref is None or cu is None or ref.shape[0] != 1 or cu.dim() != 1 or cu.numel() < 2 or \
+            cu.dtype.is_floating_point or int(cu[-1]) != ref.shape[1]:
+        return None  # not a whole packed row: the text model names what is wrong, if anything
+    a["position_ids"] = _boundaries.positions_of(cu, ref.shape[1], ref.device)[None].expand(3, 1, -1)
+    return a["position_ids"]
+
+
+def _vl_shard(self, state, a, pixels):
+    """This rank's slice of a VL row under a sequence-parallel group (the model was not told to slice): the
+    vision tower cannot serve a slice, and upstream would count the mRoPE positions from the slice's first
+    token; the positions come from the whole row's boundaries, or the call is refused."""
+    if pixels:
+        raise UlyssesError(
+            f"tfcompat {state.family}: pixel values beside this rank's slice of the row under ulysses_group/"
+            f"context_group: the vision tower's features cannot be matched to the image tokens of one slice; patch "
+            f"with tfcompat.patch(model, ..., slice_inputs=True) and pass the whole row (ids, positions, pixels) on "
+            f"every rank, or embed the whole row (tfcompat.embeds.get_input_embeds) and pass this rank's share to "
+            f"the text model (tfcompat.ulysses.slice_inputs)")
+    if a.get("position_ids") is None:
+        explicit = _carrier.named() or {}
+        ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
+        if ref is not None:
+            a["position_ids"] = _shards.shard_positions(state, explicit, None, ref.shape[1], ref.device, rows=3)
+        if ref is not None and a["position_ids"] is None:
+            raise UlyssesError(
+                f"tfcompat {state.family}: this rank's slice of the row with no position ids: upstream would count "
+                f"the mRoPE positions from the slice's first token; pass the whole row's positions "
+                f"(tfcompat.embeds.rope_index, tfcompat.packing.pack) sliced with tfcompat.ulysses.slice_for_rank, "
+                f"or the whole row's cu_seq_lens_q, or patch with slice_inputs=True and pass the whole row")
+    return a
+
+
+# --------------------------------------------------------------- checks of the top call's inputs
+def label_starts(kwargs, n):
+    """Sequence starts after the first (Python ints) of a packed row of ``n`` tokens, as the top-level call names
+    them (the flattening collator's boundaries, tfcompat.packing.packed, or the text row of the positions); []
+    for a row that is not packed or whose boundaries the text model will refuse."""
+    import torch
+
+    cu = _boundaries.explicit_cu(kwargs)
+    if isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.numel() >= 2:
+        return [int(x) for x in cu.tolist()[1:-1] if 0 < int(x) < n]
+    text = _boundaries.text_row(kwargs.get("position_ids"))
+    if text is None or text.shape != (1, n) or _boundaries.mask_valid(kwargs.get("attention_mask"), n) is not None:
+        return []
+    t = text[0]
+    return (torch.nonzero(t[1:] == 0).flatten() + 1).tolist()
+
+
+def check_vision_in_packed_row(owner, family, a, explicit):
+    """A packed row with images or videos (one host sync per step): its sequence starts must not fall inside
+    a run of placeholder tokens, and 2-D (text) position ids would give the vision tokens text positions."""
+    import torch
+
+    from .._probe.tokens import mm_token_type_ids
+
+    ids = a["input_ids"]
+    explicit = dict(explicit, **{k: a[k] for k in _FLASH_KWARGS if a.get(k) is not None})
+    position_ids = a.get("position_ids")
+    text = _boundaries.text_row(position_ids)
+    cu = explicit.get("cu_seq_lens_q", explicit.get("cu_seq_lens_k"))
+    if cu is None and (packed := _carrier.innermost(_carrier.Packed)) is not None:
+        cu = packed.cu
+    n = ids.shape[-1]
+    if isinstance(cu, torch.Tensor) and cu.device.type != "meta" and cu.dim() == 1:
+        inner = cu[1:-1].to(device=ids.device, dtype=torch.long)
+        slot = torch.where((inner > 0) & (inner < n), inner, n)  # a boundary outside the row: the spare slot n
+        start = torch.zeros(n + 1, dtype=torch.bool, device=ids.device).index_fill(0, slot, True)[:n]
+    elif text is not None:
+        valid = _boundaries.mask_valid(a.get("attention_mask"), n)
+        if isinstance(valid, str):
+            return  # a 4-D mask (or a cache's longer one) says itself what attends: upstream's own path
+        if valid is not None:  # one prompt with padding (generate(), assisted decoding): not a packed row
+            if len(_boundaries.starts_of(text[0], valid, "position ids")) > 1:
+                raise PackingError(f"tfcompat {family}: the position ids restart at 0 (a packed row) but "
+                                   f"attention_mask has padding in the row; drop the padding "
+                                   f"(tfcompat.packing.pack does) or pass no mask")
+            return
+        start = torch.cat((text[0][:1] != text[0][:1], text[0][1:] == 0))  # a sequence begins at position 0
+    else:
+        return
+    vision = mm_token_type_ids(owner.config, ids)[0] != 0
+    inside = start & vision & torch.cat((vision[:1] & False, vision[:-1]))
+    # one host sync for the whole check: whether the row restarts anywhere, and the first start inside a run
+    # of placeholder tokens (-1: none)
+    restarts, first = torch.stack((start.any().long(), torch.where(inside.any(), inside.long().argmax(), -1))).tolist()
+    if position_ids is not None and position_ids.dim() == 2 and restarts:
+        raise PackingError(
+            f"tfcompat {family}: a packed row with images or videos and 2-D position ids: the vision tokens "
+            f"would get text positions; pass the mRoPE ids (tfcompat.embeds.rope_index) to "
+            f"tfcompat.packing.pack(..., config=model.config), which builds 4-row ids")
+    if first >= 0:
+        raise PackingError(
+            f"tfcompat {family}: a sequence of the packed row starts at token {first}, inside the "
+            f"placeholder tokens of an image or video; every image and video must lie within one sequence; "
+            f"check the boundaries (cu_seq_lens_q or the text row of the position ids)")
