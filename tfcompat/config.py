@@ -109,38 +109,10 @@ def rope_parameters(config: Any, *, model_type: Optional[str] = None) -> RopePar
     init = resolution.plan
     raw, key = _rope_dict(cfg, init.config_key)
 
-    rope_type = raw.get("rope_type", raw.get("type", "default")) or "default"
-    if rope_type == "mrope":  # Qwen2-VL configs spell the default type "mrope"
-        rope_type = "default"
-    if rope_type not in _resolve.rope_types():
-        raise ConfigError(
-            f"rope_parameters({type(config).__name__}): rope_type {rope_type!r} in {key}; the rotary module of "
-            f"transformers {resolution.transformers} builds {list(_resolve.rope_types())} and raises on it; set the "
-            f"rope_type the checkpoint was trained with (a dict shared with the vision config picks up its "
-            f"'axial' type: give each sub-config its own dict)"
-        )
-
-    theta = raw.get("rope_theta", cfg.__dict__.get("rope_theta", getattr(cfg, "rope_theta", None)))
-    if theta is None:
-        raise ConfigError(
-            f"rope_parameters({type(config).__name__}): no rope_theta in {key} nor on the config; "
-            f"transformers {_resolve._version.transformers_version()} keeps it in {init.config_key}; "
-            f"pass a config built by transformers"
-        )
-
-    try:
-        theta = float(theta)
-    except (TypeError, ValueError):
-        raise ConfigError(f"rope_parameters({type(config).__name__}): rope_theta {theta!r} is not a number; "
-                          f"upstream's rotary module computes inv_freq from it; fix the config's rope_theta") from None
-    head_dim = getattr(cfg, "head_dim", None)
-    if not head_dim:
-        missing = [k for k in ("hidden_size", "num_attention_heads") if getattr(cfg, k, None) is None]
-        if missing:
-            raise ConfigError(f"rope_parameters({type(config).__name__}): no head_dim and no {' / '.join(missing)}; "
-                              f"upstream's rotary module reads head_dim, or hidden_size // num_attention_heads; "
-                              f"pass a config built by transformers (AutoConfig.from_pretrained / for_model)")
-        head_dim = cfg.hidden_size // cfg.num_attention_heads
+    what = f"rope_parameters({type(config).__name__})"
+    rope_type = _rope_type(raw, key, what, resolution)
+    theta = _theta(raw, cfg, key, what, init)
+    head_dim = _head_dim(cfg, what)
     partial = 1.0
     if init.reads_partial_rotary:
         partial = raw.get("partial_rotary_factor", None)
@@ -149,22 +121,7 @@ def rope_parameters(config: Any, *, model_type: Optional[str] = None) -> RopePar
         partial = 1.0 if partial is None else float(partial)
     rotary_dim = int(head_dim * partial)
 
-    section = None
-    if fam.mrope != "none":
-        section = raw.get("mrope_section")
-        if section is None:
-            section = init.default_mrope_section
-        if section is not None:
-            section = tuple(int(s) for s in section)
-            if fam.mrope == "contiguous" and 2 * sum(section) != rotary_dim:
-                raise ConfigError(
-                    f"{fam.name}: mrope_section {list(section)} adds up to {sum(section)}, but the rotary "
-                    f"width is {rotary_dim} (head_dim {head_dim} x partial_rotary_factor {partial}); "
-                    f"the sections must add up to {rotary_dim // 2}"
-                )
-            # interleaved sections (Qwen3-VL, Qwen3.5) are folded by upstream's own rotary module, which
-            # slices its frequencies by them whatever they add up to (transformers' testers use [16, 8, 8]
-            # with 4 frequencies): reported as given, never refused
+    section = _section(fam, raw, init, rotary_dim, head_dim, partial)
 
     scaling = {k: v for k, v in raw.items() if k not in _KNOWN_KEYS}
     return RopeParameters(
@@ -178,6 +135,68 @@ def rope_parameters(config: Any, *, model_type: Optional[str] = None) -> RopePar
         mrope_interleaved=fam.mrope == "interleaved",
         scaling=FrozenDict(scaling),
     )
+
+
+def _rope_type(raw, key, what, resolution):
+    rope_type = raw.get("rope_type", raw.get("type", "default")) or "default"
+    if rope_type == "mrope":  # Qwen2-VL configs spell the default type "mrope"
+        rope_type = "default"
+    if rope_type not in _resolve.rope_types():
+        raise ConfigError(
+            f"{what}: rope_type {rope_type!r} in {key}; the rotary module of "
+            f"transformers {resolution.transformers} builds {list(_resolve.rope_types())} and raises on it; set the "
+            f"rope_type the checkpoint was trained with (a dict shared with the vision config picks up its "
+            f"'axial' type: give each sub-config its own dict)"
+        )
+    return rope_type
+
+
+def _theta(raw, cfg, key, what, init):
+    theta = raw.get("rope_theta", cfg.__dict__.get("rope_theta", getattr(cfg, "rope_theta", None)))
+    if theta is None:
+        raise ConfigError(
+            f"{what}: no rope_theta in {key} nor on the config; "
+            f"transformers {_resolve._version.transformers_version()} keeps it in {init.config_key}; "
+            f"pass a config built by transformers"
+        )
+    try:
+        return float(theta)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what}: rope_theta {theta!r} is not a number; "
+                          f"upstream's rotary module computes inv_freq from it; fix the config's rope_theta") from None
+
+
+def _head_dim(cfg, what):
+    head_dim = getattr(cfg, "head_dim", None)
+    if not head_dim:
+        missing = [k for k in ("hidden_size", "num_attention_heads") if getattr(cfg, k, None) is None]
+        if missing:
+            raise ConfigError(f"{what}: no head_dim and no {' / '.join(missing)}; "
+                              f"upstream's rotary module reads head_dim, or hidden_size // num_attention_heads; "
+                              f"pass a config built by transformers (AutoConfig.from_pretrained / for_model)")
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+    return head_dim
+
+
+def _section(fam, raw, init, rotary_dim, head_dim, partial):
+    if fam.mrope == "none":
+        return None
+    section = raw.get("mrope_section")
+    if section is None:
+        section = init.default_mrope_section
+    if section is None:
+        return None
+    section = tuple(int(s) for s in section)
+    if fam.mrope == "contiguous" and 2 * sum(section) != rotary_dim:
+        raise ConfigError(
+            f"{fam.name}: mrope_section {list(section)} adds up to {sum(section)}, but the rotary "
+            f"width is {rotary_dim} (head_dim {head_dim} x partial_rotary_factor {partial}); "
+            f"the sections must add up to {rotary_dim // 2}"
+        )
+    # interleaved sections (Qwen3-VL, Qwen3.5) are folded by upstream's own rotary module, which
+    # slices its frequencies by them whatever they add up to (transformers' testers use [16, 8, 8]
+    # with 4 frequencies): reported as given, never refused
+    return section
 
 
 def drift(path_or_config: Any) -> list:

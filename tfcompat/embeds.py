@@ -226,9 +226,6 @@ def get_input_embeds(model: torch.nn.Module, input_ids: torch.Tensor, *, pixel_v
         EmbedsError: placeholder token counts that differ from the feature counts, grids that do not
         match the pixels.
     """
-
-    import torch
-
     fam = _served(model, "get_input_embeds")
     owner = _vl_model(model)
     get_embeddings: Any = model.get_input_embeddings  # a PreTrainedModel method; nn.Module does not declare it
@@ -242,20 +239,7 @@ def get_input_embeds(model: torch.nn.Module, input_ids: torch.Tensor, *, pixel_v
                 raise EmbedsError(f"get_input_embeds: input_ids hold {int(mask.sum())} {kind} tokens but no "
                                   f"pixel_values{'_videos' if kind == 'video' else ''} were given")
             continue
-        if grid is None:
-            raise EmbedsError(f"get_input_embeds: {kind} pixels given without {kind}_grid_thw")
-        if not isinstance(grid, torch.Tensor) or grid.dim() != 2 or grid.shape[-1] != 3 or \
-                grid.dtype.is_floating_point:
-            found = f"a {type(grid).__name__}" if not isinstance(grid, torch.Tensor) else \
-                f"a {grid.dtype} tensor of shape {tuple(grid.shape)}"
-            raise EmbedsError(f"get_input_embeds: {kind}_grid_thw is {found}; the vision tower takes a "
-                              f"(num_{kind}s, 3) integer tensor (T, H, W patches per {kind}), as the processor "
-                              f"returns it: torch.tensor(grid)")
-        patches = int(grid.prod(dim=-1).sum())
-        if patches != pixels.shape[0]:
-            raise EmbedsError(f"get_input_embeds: {kind}_grid_thw describes {patches} patches ({grid.tolist()}) "
-                              f"but pixel_values has {pixels.shape[0]} rows; pass the grid the processor returned "
-                              f"with these pixels")
+        _check_grid(kind, pixels, grid)
         feats, deep = _features(owner, kind, pixels, grid)
         n_tokens = int(mask.sum())
         if n_tokens != feats.shape[0]:
@@ -276,6 +260,26 @@ def get_input_embeds(model: torch.nn.Module, input_ids: torch.Tensor, *, pixel_v
         masks, deepstack = _deepstack(deep_parts)
         return EmbedsResult(embeds, visual_pos_masks=masks, deepstack_visual_embeds=deepstack)
     return EmbedsResult(embeds)
+
+
+def _check_grid(kind, pixels, grid):
+    """A (num, 3) integer grid whose patches are the pixels' rows, or an EmbedsError saying what to pass."""
+    import torch
+
+    if grid is None:
+        raise EmbedsError(f"get_input_embeds: {kind} pixels given without {kind}_grid_thw")
+    if not isinstance(grid, torch.Tensor) or grid.dim() != 2 or grid.shape[-1] != 3 or \
+            grid.dtype.is_floating_point:
+        found = f"a {type(grid).__name__}" if not isinstance(grid, torch.Tensor) else \
+            f"a {grid.dtype} tensor of shape {tuple(grid.shape)}"
+        raise EmbedsError(f"get_input_embeds: {kind}_grid_thw is {found}; the vision tower takes a "
+                          f"(num_{kind}s, 3) integer tensor (T, H, W patches per {kind}), as the processor "
+                          f"returns it: torch.tensor(grid)")
+    patches = int(grid.prod(dim=-1).sum())
+    if patches != pixels.shape[0]:
+        raise EmbedsError(f"get_input_embeds: {kind}_grid_thw describes {patches} patches ({grid.tolist()}) "
+                          f"but pixel_values has {pixels.shape[0]} rows; pass the grid the processor returned "
+                          f"with these pixels")
 
 
 def _deepstack(parts):

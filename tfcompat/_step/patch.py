@@ -79,6 +79,41 @@ class PatchRecord:
 def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group: Any = None,
           dummy_visual: bool = True, slice_inputs: bool = False, context_group: Any = None) -> PatchRecord:
     """The implementation of :func:`tfcompat.patch` (documented there)."""
+    fam = _family_of_model(model)
+    config = getattr(model, "config", None)
+    from .._probe.drift import text_config
+
+    resolutions = tuple(_resolve.resolve(kind, fam.name) for kind in ("rope.init", "rope.apply", "attention.signature"))
+    plan = resolutions[2].plan
+    module = resolutions[2].target
+    classes = (getattr(module, plan.text_model), getattr(module, fam.attention), getattr(module, fam.rotary),
+               getattr(module, plan.linear_attention) if plan.linear_attention else None)
+    world, cworld = _group_sizes(fam, config, classes[3], ulysses_group, context_group, slice_inputs)
+    split = remove_padding or ulysses_group is not None or context_group is not None
+    targets = _targets(model, fam, classes, split, resolutions[0].transformers)
+    state_of = dict(remove_padding=remove_padding, group=ulysses_group, world=world, dummy_visual=dummy_visual,
+                    slice_inputs=slice_inputs, cgroup=context_group, cworld=cworld)
+    from .._probe.window import layer_windows
+
+    attention_targets = [m for m, kind in targets if kind == "attention"]
+    windows, windows_how = layer_windows(fam, text_config(config), attention_targets) if attention_targets \
+        else ({}, "no attention patched")
+    _install_all(model, fam, targets, state_of, classes[3], resolutions, windows)
+    if not any(kind in ("text", "attention", "linear") for _, kind in targets) and not dummy_visual:
+        targets = []  # remove_padding=False, no group, no dummy forward: nothing to do
+    n_attn = sum(kind == "attention" for _, kind in targets)
+    n_lin = sum(kind == "linear" for _, kind in targets)
+    record = PatchRecord(fam.name, classes[0].__name__, n_attn, n_lin, remove_padding, world, resolutions,
+                         tuple(windows[id(m)] for m, kind in targets if kind == "attention"), windows_how, cworld)
+    if targets:
+        model.__dict__[_MODEL_ATTR] = record
+    else:
+        model.__dict__.pop(_MODEL_ATTR, None)
+    return record
+
+
+def _family_of_model(model):
+    """The family of a loaded model instance; anything else, or a family patch() cannot serve, is refused."""
     import torch
 
     if not isinstance(model, torch.nn.Module):
@@ -90,16 +125,11 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
     if fam.patch_refusal:
         still = "" if fam.nope else ". tfcompat.rope.apply_rope and tfcompat.config.rope_parameters still do"
         raise UnsupportedTransformersError(f"tfcompat.patch cannot serve {fam.name}: {fam.patch_refusal}{still}")
-    from ..config import rope_parameters, text_config
+    return fam
 
-    resolutions = tuple(_resolve.resolve(kind, fam.name) for kind in ("rope.init", "rope.apply", "attention.signature"))
-    plan = resolutions[2].plan
-    module = resolutions[2].target
-    attention_cls = getattr(module, fam.attention)
-    text_cls = getattr(module, plan.text_model)
-    rotary_cls = getattr(module, fam.rotary)
-    linear_cls = getattr(module, plan.linear_attention) if plan.linear_attention else None
 
+def _group_sizes(fam, config, linear_cls, ulysses_group, context_group, slice_inputs):
+    """(Ulysses world, context world), the groups checked against the model."""
     world = cworld = 1
     if slice_inputs and ulysses_group is None and context_group is None:
         raise UlyssesError("tfcompat.patch: slice_inputs=True slices a whole row over the Ulysses (or context) "
@@ -115,6 +145,8 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
     if ulysses_group is not None:
         import torch.distributed as dist
 
+        from .._probe.drift import text_config
+
         world = dist.get_world_size(ulysses_group)
         n_heads = text_config(config).num_attention_heads
         if n_heads % world:
@@ -123,24 +155,27 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
         if linear_cls is not None:
             raise UlyssesError(f"Ulysses: {fam.name} has linear-attention (Gated DeltaNet) layers whose recurrence "
                                f"runs along the sequence; they cannot be split by Ulysses; use ulysses_group=None")
+    return world, cworld
 
+
+def _targets(model, fam, classes, split, release):
+    """(module, kind) for every module patch() replaces the forward of."""
+    text_cls, attention_cls, rotary_cls, linear_cls = classes
     texts = [m for m in model.modules() if isinstance(m, text_cls)]
     attentions = [m for m in model.modules() if isinstance(m, attention_cls)]
     if not texts or not attentions:
         raise UnsupportedTransformersError(
             f"tfcompat.patch: found {len(texts)} {text_cls.__name__} and {len(attentions)} {attention_cls.__name__} "
-            f"modules in {type(model).__name__}; pass a {fam.name} model built by transformers "
-            f"{resolutions[0].transformers}"
-        )
+            f"modules in {type(model).__name__}; pass a {fam.name} model built by transformers {release}")
     targets = []
-    if remove_padding or ulysses_group is not None or context_group is not None:
+    if split:
         for text in texts:
             rotary = [m for m in text.children() if isinstance(m, rotary_cls)]
             if len(rotary) != 1:
                 raise UnsupportedTransformersError(
-                    f"tfcompat.patch: {type(text).__name__} of transformers {resolutions[0].transformers} has "
-                    f"{len(rotary)} {rotary_cls.__name__} children; tfcompat cannot carry boundaries through it; "
-                    f"please report this release")
+                    f"tfcompat.patch: {type(text).__name__} of transformers {release} has {len(rotary)} "
+                    f"{rotary_cls.__name__} children; tfcompat cannot carry boundaries through it; please report "
+                    f"this release")
             targets += [(text, "text"), (rotary[0], "rotary")]
         if not any(model is t for t in texts):
             targets.append((model, "top"))
@@ -158,44 +193,37 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
         if owners and any(m is owners[0] for m, kind in targets if kind == "top"):
             targets = [(m, kind) for m, kind in targets if not (m is owners[0] and kind == "top")]
             targets.append((owners[0], "vl+top"))
+    return targets
+
+
+def _install_all(model, fam, targets, state_of, linear_cls, resolutions, windows):
+    """Install every target's forward with its state; a model already patched the same way is left as it is
+    (patching twice is a no-op), else every earlier patch below the model is removed first."""
+    from ..config import rope_parameters
 
     def same(m, kind):
         st = _patched_as(m)
-        return st is not None and st.kind == kind and st.remove_padding == remove_padding and \
-            st.group is ulysses_group and not st.group_lost and st.dummy_visual == dummy_visual and \
-            st.slice_inputs == slice_inputs and st.cgroup is context_group
+        return st is not None and st.kind == kind and st.remove_padding == state_of["remove_padding"] and \
+            st.group is state_of["group"] and not st.group_lost and st.dummy_visual == state_of["dummy_visual"] and \
+            st.slice_inputs == state_of["slice_inputs"] and st.cgroup is state_of["cgroup"]
 
-    from .._probe.window import layer_windows
-
-    attention_targets = [m for m, kind in targets if kind == "attention"]
-    windows, windows_how = layer_windows(fam, text_config(config), attention_targets) if attention_targets \
-        else ({}, "no attention patched")
     patched_below = [m for m in model.modules() if _patched_as(m) is not None]
-    if not (targets and all(same(m, kind) for m, kind in targets) and len(patched_below) == len(targets)):
-        for m in patched_below:
-            _uninstall(m)
-        for m, kind in targets:
-            state = _State(kind, fam.name, remove_padding, ulysses_group, world, dummy_visual=dummy_visual,
-                           slice_inputs=slice_inputs, cgroup=context_group, cworld=cworld)
-            if kind == "layer" and linear_cls is not None:
-                state.linear_child = any(isinstance(c, linear_cls) for c in m.modules())
-            if kind == "attention" and resolutions[1].plan.cos_rows == 3:
-                state.section = rope_parameters(m.config, model_type=fam.name).mrope_section
-            if kind == "attention":
-                state.window = windows[id(m)]
-                state.rope, state.plan = resolutions[1], plan
-            _install(m, kind, state, FORWARDS[kind])
-    if not any(kind in ("text", "attention", "linear") for _, kind in targets) and not dummy_visual:
-        targets = []  # remove_padding=False, no group, no dummy forward: nothing to do
-    n_attn = sum(kind == "attention" for _, kind in targets)
-    n_lin = sum(kind == "linear" for _, kind in targets)
-    record = PatchRecord(fam.name, text_cls.__name__, n_attn, n_lin, remove_padding, world, resolutions,
-                         tuple(windows[id(m)] for m, kind in targets if kind == "attention"), windows_how, cworld)
-    if targets:
-        model.__dict__[_MODEL_ATTR] = record
-    else:
-        model.__dict__.pop(_MODEL_ATTR, None)
-    return record
+    if targets and all(same(m, kind) for m, kind in targets) and len(patched_below) == len(targets):
+        return
+    for m in patched_below:
+        _uninstall(m)
+    for m, kind in targets:
+        state = _State(kind, fam.name, state_of["remove_padding"], state_of["group"], state_of["world"],
+                       dummy_visual=state_of["dummy_visual"], slice_inputs=state_of["slice_inputs"],
+                       cgroup=state_of["cgroup"], cworld=state_of["cworld"])
+        if kind == "layer" and linear_cls is not None:
+            state.linear_child = any(isinstance(c, linear_cls) for c in m.modules())
+        if kind == "attention" and resolutions[1].plan.cos_rows == 3:
+            state.section = rope_parameters(m.config, model_type=fam.name).mrope_section
+        if kind == "attention":
+            state.window = windows[id(m)]
+            state.rope, state.plan = resolutions[1], resolutions[2].plan
+        _install(m, kind, state, FORWARDS[kind])
 
 
 def unpatch(model: torch.nn.Module) -> bool:

@@ -5,26 +5,13 @@ ever added within a schema version.
 """
 
 import argparse
-import dataclasses
-import importlib.metadata
 import json
 import os
 import platform
 import sys
-import time
 
 from .. import __version__
-from ..errors import ConfigError, TfcompatError
-
-SCHEMA = 1
-_PROG = "tfcompat"
-
-
-def _dist_version(name):
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+from .common import _PROG, SCHEMA, _dist_version  # noqa: F401 (SCHEMA: the JSON schema, public here)
 
 
 # ----------------------------------------------------------------------------- report
@@ -91,238 +78,13 @@ def _report(args):
     return 1 if doc["error"] or any(r["impl"] == "unsupported" for r in doc["resolutions"]) else 0
 
 
-# ------------------------------------------------------------------------------ check
-def _check(args):
-    from .. import version
-    from .._probe import resolve as _resolve
-    from . import checks as _checks
-
-    if args.device or args.plan or args.dtype:
-        return _check_device(args)
-    if args.config or args.model:
-        return _check_model(args)
-    try:
-        version.require_supported_transformers("tfcompat check")
-        installed = _resolve.installed_families()
-        names = installed if not args.family else [_resolve._family(f).name for f in args.family]
-    except Exception as exc:
-        return _check_fail(args, f"{type(exc).__name__}: {exc}")
-    missing = [n for n in names if n not in installed]
-    if missing:
-        return _check_fail(args, f"transformers {_dist_version('transformers')} does not ship "
-                                 f"{', '.join(missing)}; installed families: {', '.join(installed)}")
-    _quiet_transformers()
-    results = []
-    start = time.perf_counter()
-    width = max(len(n) for n in names)
-    for name in names:
-        for result in _checks.run_family(name, tolerance=args.tolerance):
-            results.append(result)
-            if not args.json:
-                print(_check_line(result, width), flush=True)
-    failed = sum(not r["passed"] for r in results)
-    skipped = sum(r["skipped"] is not None for r in results)
-    doc = {"schema": SCHEMA, "tfcompat": __version__, "transformers": _dist_version("transformers"),
-           "torch": _dist_version("torch"), "families": names, "results": results, "passed": failed == 0,
-           "seconds": round(time.perf_counter() - start, 3)}
-    if args.json:
-        print(json.dumps(doc, indent=2, sort_keys=True))
-    else:
-        print(f"{len(results) - failed - skipped} passed, {failed} failed, {skipped} skipped ({len(names)} "
-              f"{'family' if len(names) == 1 else 'families'}, transformers {doc['transformers']}, "
-              f"{doc['seconds']:.1f}s)")
-    return 0 if failed == 0 else 1
-
-
-def _check_model(args):
-    """``check --config PATH`` / ``--model PATH``: the user's model (scaled down, or with its weights)."""
-    from .. import version
-    from .._probe import resolve as _resolve
-    from .._probe.drift import load_config
-    from .._probe.families import family
-    from . import checks as _checks
-    from .scale import scaled_config
-
-    path = args.model or args.config
-    try:
-        version.require_supported_transformers("tfcompat check")
-        from .._probe.drift import compare, raw_of
-
-        try:  # the family before transformers' own "does not recognize this architecture"
-            named = raw_of(path).get("model_type")
-        except (ConfigError, AttributeError):
-            named = None  # load_config says what is wrong with the file
-        if isinstance(named, str) and family(named).name not in _resolve.installed_families():
-            fam = family(named)
-            raise TfcompatError(f"transformers {_dist_version('transformers')} does not ship {fam.name} (first "
-                                f"shipped in transformers {fam.since}); install transformers>={fam.since} to "
-                                f"load this checkpoint")
-        config = load_config(path)
-        fam = family(config)
-        if fam.name not in _resolve.installed_families():
-            raise TfcompatError(f"transformers {_dist_version('transformers')} does not ship {fam.name} (first "
-                                f"shipped in transformers {fam.since})")
-        _quiet_transformers()
-
-        drifted = compare(raw_of(path), config)
-        if drifted:
-            return _drift_exit(args, path, drifted)
-        if args.model:
-            import torch
-
-            from ..testing import model_class
-
-            model = model_class(fam.name).from_pretrained(path, torch_dtype=torch.float32, local_files_only=True)
-            target, kept, how = {"model": model}, {}, f"{path}: its own weights (fp32)"
-        else:
-            scaled, kept = scaled_config(config)
-            target, how = {"config": scaled}, f"{path}: scaled down"
-    except Exception as exc:  # says why it cannot serve this model: exit 2, one line
-        return _check_fail(args, f"{path}: {type(exc).__name__}: {exc}")
-    start = time.perf_counter()
-    results = list(_checks.run_family(fam.name, tolerance=args.tolerance, **target))
-    if "config" in target and any(r["error"] for r in results):
-        try:  # checks that raised: where upstream itself cannot run the config, say that (exit 2), not "N failed"
-            _upstream_runs(fam.name, target["config"])
-        except TfcompatError as exc:
-            return _check_fail(args, f"{path}: {exc}")
-    if not args.json:
-        print(f"{fam.name} ({type(config).__name__}, transformers {_dist_version('transformers')}): {how}")
-        for key, value in kept.items():
-            print(f"  kept {key} = {value}")
-        for result in results:
-            print(_check_line(result, len(fam.name)), flush=True)
-    failed = sum(not r["passed"] for r in results)
-    skipped = sum(r["skipped"] is not None for r in results)
-    doc = {"schema": SCHEMA, "tfcompat": __version__, "transformers": _dist_version("transformers"),
-           "torch": _dist_version("torch"), "families": [fam.name], "source": path,
-           "kept": {k: str(v) for k, v in kept.items()}, "results": results, "passed": failed == 0,
-           "seconds": round(time.perf_counter() - start, 3)}
-    if args.json:
-        print(json.dumps(doc, indent=2, sort_keys=True))
-    else:
-        print(f"{len(results) - failed - skipped} passed, {failed} failed, {skipped} skipped ({path}, "
-              f"transformers {doc['transformers']}, {doc['seconds']:.1f}s)")
-    return 0 if failed == 0 else 1
-
-
-def _drift_exit(args, path, drifted):
-    """The file sets RoPE facts this release builds otherwise: every record, exit 2 (no check would be of the
-    model the file describes)."""
-    release = _dist_version("transformers")
-    if args.json:
-        print(json.dumps({"schema": SCHEMA, "tfcompat": __version__, "transformers": release, "source": path,
-                          "passed": False, "drift": [dataclasses.asdict(d) for d in drifted]}, indent=2,
-                         sort_keys=True, default=str))
-    else:
-        print(f"{path}: transformers {release} builds another RoPE than this file sets:")
-        for d in drifted:
-            print(f"  {d.line()}")
-        print("  load it with the release that saved it, or set the facts under the keys this release reads "
-              "(tfcompat.config.drift lists them)")
-    return 2
-
-
-def _check_device(args):
-    """``check --device DEV [--dtype T] [--plan]``: the checks on the user's device (``_device_checks``)."""
-    from .. import version
-    from .._probe import resolve as _resolve
-    from . import device_checks as _device_checks
-
-    device = args.device or "cuda"
-    dtype = args.dtype or ("fp32" if device == "cpu" else "bf16")
-    if args.config or args.model:
-        return _check_fail(args, "--device runs the families' tiny models; check --config/--model on the CPU")
-    try:
-        version.require_supported_transformers("tfcompat check")
-        installed = _resolve.installed_families()
-        names = installed if not args.family else [_resolve._family(f).name for f in args.family]
-        kernels, checks, attention = _device_checks.plan(device, dtype)
-    except Exception as exc:
-        return _check_fail(args, f"{type(exc).__name__}: {exc}")
-    if args.plan:
-        print(f"tfcompat check --device {device} --dtype {dtype} would run, per family ({len(names)}): "
-              f"{', '.join(checks)}; once: {attention}; then the RoPE speed lines. Kernels there:")
-        for line in kernels:
-            print(f"  {line}")
-        return 0
-    why = _device_checks.unavailable(device)
-    if why:
-        return _check_fail(args, why)
-    _quiet_transformers()
-    start = time.perf_counter()
-    width = max(len(n) for n in names + ["(kernel)"])
-    results = []
-    for result in _device_checks.run(names, device, dtype, args.tolerance):
-        results.append(result)
-        if not args.json:
-            print(_check_line(result, width), flush=True)
-    speeds = _device_checks.speed(device, dtype, names)
-    failed = sum(not r["passed"] for r in results)
-    doc = {"schema": SCHEMA, "tfcompat": __version__, "transformers": _dist_version("transformers"),
-           "torch": _dist_version("torch"), "device": device, "dtype": dtype, "families": names,
-           "results": results, "speed_ms": dict(speeds), "passed": failed == 0,
-           "seconds": round(time.perf_counter() - start, 3)}
-    if args.json:
-        print(json.dumps(doc, indent=2, sort_keys=True))
-    else:
-        for label, ms in speeds:
-            print(f"  speed {label:<16} {ms:9.3f} ms  {ms / speeds[-1][1]:5.2f}x the copy")
-        if not speeds:
-            print("  speed: no checked family has a plain NeoX rotary to time")
-        print(f"{len(results) - failed} passed, {failed} failed on {device} {dtype} ({len(names)} families, "
-              f"{doc['seconds']:.1f}s)")
-    return 0 if failed == 0 else 1
-
-
-def _upstream_runs(name, config):
-    """Raise a TfcompatError when the installed transformers itself cannot run ``config`` (built unpatched, one
-    forward of a text row as the checks build it): there is no oracle to compare against, and the checks' raw
-    errors would say nothing."""
-    import torch
-
-    from ..testing import tiny_sequence
-    from .checks import _model
-
-    try:
-        model = _model(name, config)
-        with torch.no_grad():
-            ids = torch.tensor([tiny_sequence(name, text=5, config=model.config)])
-            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
-    except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise TfcompatError(f"transformers {_dist_version('transformers')} itself cannot run this config "
-                            f"({type(exc).__name__}: {first}); there is nothing to compare tfcompat against: fix "
-                            f"the config (or run the release it was written for)") from None
-
-
-def _check_line(result, width):
-    head = f"  [{{}}] {result['family']:<{width}} {result['check']:<22} {result['compares']:<8}"
-    if result["skipped"] is not None:
-        return head.format("skip") + f" {result['skipped']}"
-    mark = "ok  " if result["passed"] else "FAIL"
-    return (head.format(mark) + f" max|diff| {result['max_abs_diff']:<10.3g} tol {result['tolerance']:<8.2g} "
-            f"{result['seconds']:6.2f}s" + (f"  {result['error']}" if result["error"] else ""))
-
-
-def _quiet_transformers():
-    """transformers' own log lines (kernel fallbacks, deprecations) would interleave with the table."""
-    try:
-        from transformers.utils import logging
-    except ImportError:
-        return
-    logging.set_verbosity_error()
-
-
-def _check_fail(args, message):
-    if args.json:
-        print(json.dumps({"schema": SCHEMA, "passed": False, "error": message, "results": []}, indent=2))
-    else:
-        print(f"{_PROG} check: {message}", file=sys.stderr)
-    return 2
-
-
 # ------------------------------------------------------------------------------- main
+def _check(args):
+    from .check_cmd import check
+
+    return check(args)
+
+
 def _vendor(args):
     from .vendor import vendor
 

@@ -7,8 +7,8 @@ import shutil
 import sys
 
 from .. import __version__
+from .common import _PROG
 
-_PROG = "tfcompat"
 _MARKER = "VENDORED"
 
 
