@@ -4,7 +4,7 @@
     python bench/first_use.py                         # on a GPU: the Triton kernel on CUDA
 
 Prints, side by side in one run: the proof's own time (``table.proven()``), the first call (proof + the call), a
-later call of the same layout, and the per-call cost of the proven look-up alone (``rope_triton.proven`` on a
+later call of the same layout, and the per-call cost of the proven look-up alone (``rope_proof.proven`` on a
 proven key), on a Qwen2.5-7B-shaped row (a small one in the interpreter).
 """
 
@@ -16,7 +16,7 @@ import torch
 
 def main():
     from tfcompat import clear_cache
-    from tfcompat._kernels import rope_triton, table
+    from tfcompat._kernels import rope_proof, rope_triton, table
     from tfcompat.rope import apply_rope
 
     cuda = torch.cuda.is_available() and not rope_triton.interpreted()
@@ -49,7 +49,7 @@ def main():
     n = 20000
     t0 = time.perf_counter()
     for _ in range(n):
-        rope_triton.proven(q, k, cos, sin, layout, 1, False, "neox", "", True)
+        rope_proof.proven(q, k, cos, sin, layout, 1, False, "neox", "", True)
     lookup = (time.perf_counter() - t0) / n
     where = f"{dev}{' (Triton interpreter)' if rope_triton.interpreted() else ''}, torch {torch.__version__}"
     print(f"first-use proof, {where}, q {tuple(q.shape)} bf16:")

@@ -461,7 +461,7 @@ def test_triton_first_use_proof_refuses_a_broken_kernel(how, monkeypatch):
     import warnings
 
     from tfcompat import clear_cache
-    from tfcompat._kernels import rope_triton, table
+    from tfcompat._kernels import rope_proof, rope_triton, table
     from tfcompat.errors import TfcompatError
 
     name = "qwen2"
@@ -476,7 +476,7 @@ def test_triton_first_use_proof_refuses_a_broken_kernel(how, monkeypatch):
     layout = rope_triton.Layout("neox", "", None)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        ok = [rope_triton.proven(q, k, cos, sin, layout, 2, False, "neox", "", explicit=False) for _ in range(3)]
+        ok = [rope_proof.proven(q, k, cos, sin, layout, 2, False, "neox", "", explicit=False) for _ in range(3)]
     assert ok == [False] * 3
     assert len([w for w in seen if "failed its first-use proof" in str(w.message)]) == 1
     records = [r for r in table.proven() if r["kernel"] == "triton"]

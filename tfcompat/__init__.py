@@ -31,8 +31,9 @@ def __getattr__(name: str) -> Any:
 def report(families: Optional[Iterable[str]] = None) -> list:
     """Every resolver decision for the installed transformers (see :class:`Resolution`)."""
     from ._probe import backends as _backends
+    from ._probe import resolve as _resolve
 
-    return _backends.report(families)
+    return _backends.environment() + _resolve.report(families)
 
 
 def clear_cache() -> None:

@@ -2,8 +2,8 @@
 which RoPE implementation ``auto`` runs per device. Nothing here reads transformers; ``report`` lists these
 decisions beside the per-family resolutions.
 
-Imports: the records (``_resolve.Resolution``) and the version reader below it; ``rope``, ``varlen`` and the
-CLI above it. torch, triton and flash-attn are imported only where importing is the decision.
+Imports: the records (``plans.Resolution``), the version reader and the kernels below it; ``rope``, ``varlen``
+and the step above it. torch, triton and flash-attn are imported only where importing is the decision.
 """
 
 import functools
@@ -12,10 +12,10 @@ import os
 from typing import Any
 
 from .. import version as _version
-from . import resolve as _resolve
+from .plans import Resolution
 
 __all__ = ["installed", "torch_ships", "torch_varlen_signature", "torch_varlen_params", "varlen_unfit", "varlen_kernel",
-           "unavailable", "select", "flash_varlen", "triton_kernels", "impl_for", "report"]
+           "unavailable", "select", "flash_varlen", "triton_kernels", "impl_for", "environment"]
 
 
 def installed(package):
@@ -166,7 +166,7 @@ def _kernel_table():
     proofs = "; ".join(f"{p['op']}.{p['kernel']} on {p['device']} {p['key']}: "
                        f"{'ok' if p['ok'] else 'FAILED ' + (p['error'] or 'max |diff| %.3g' % p['max_abs_diff'])} "
                        f"({p['seconds'] * 1e3:.1f} ms)" for p in done)
-    return _resolve.Resolution(
+    return Resolution(
         "kernels.table", f"{len(done)} proven" if done else "none proven yet", "",
         "kernel table: " + "; ".join(parts) + ". First-use proofs in this process: " + (proofs or "none yet"),
         str(_version.transformers_version()))
@@ -175,7 +175,7 @@ def _kernel_table():
 def _varlen_backends():
     cuda = varlen_kernel(False)
     unused = "; ".join(f"not {k}: {v}" for k, v in varlen_unfit().items() if v)
-    return _resolve.Resolution("varlen.backend", cuda, "", f"packed attention: CUDA fp16/bf16 tensors -> {cuda}; "
+    return Resolution("varlen.backend", cuda, "", f"packed attention: CUDA fp16/bf16 tensors -> {cuda}; "
                                f"CPU, fp32 or dropout -> sdpa (exact fallback, one fused SDPA call per sequence)"
                                + (f"; {unused}" if unused else "") + "; the GPU kernels get equal cu_seqlens_q/k "
                                "only (context-parallel pieces run SDPA: bottom-right causal alignment for cu_q != "
@@ -186,13 +186,14 @@ def _varlen_backends():
 def _rope_impls():
     cuda = impl_for("cuda")
     why = "triton imports" if cuda == "triton" else "triton does not import"
-    return _resolve.Resolution(
+    return Resolution(
         "rope.impl", f"cpu={impl_for('cpu')} cuda={cuda}", "",
         f"apply_rope impl='auto': CPU tensors -> {impl_for('cpu')} (sliced in-cache kernels); CUDA tensors -> "
         f"{cuda} ({why}); under torch.compile or with cos/sin requiring grad -> composite",
         str(_version.transformers_version()))
 
 
-def report(families=None):
-    """The environment's decisions, then every family resolution (:func:`_resolve.report`)."""
-    return [_rope_impls(), _varlen_backends(), _kernel_table()] + _resolve.report(families)
+def environment():
+    """The environment's decisions (RoPE implementations, packed-attention kernels, the kernel table), as records:
+    :func:`tfcompat.report` lists them before every family resolution."""
+    return [_rope_impls(), _varlen_backends(), _kernel_table()]

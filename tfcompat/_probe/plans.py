@@ -1,7 +1,11 @@
-"""The plans a resolution carries: small frozen facts a probe derived (picklable, ``asdict``-able)."""
+"""The plans a resolution carries (small frozen facts a probe derived: picklable, ``asdict``-able), and the
+:class:`Resolution` that carries them."""
 
 import dataclasses
+import functools
 from typing import Optional
+
+from .source import _load
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,3 +63,45 @@ class RopeIndexPlan:
     #: whether it splits each video grid per frame itself (Qwen3-VL gives every frame its own vision block)
     splits_frames: bool
     params: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+    """One decision: what tfcompat uses for ``capability`` on the installed transformers."""
+
+    capability: str
+    #: short name of the chosen implementation
+    impl: str
+    #: dotted path of the upstream object it came from ("" when bundled)
+    source: str
+    #: which probe decided, in words
+    reason: str
+    #: installed transformers version
+    transformers: str
+    #: small, family-specific facts derived by the probe (a frozen dataclass or None)
+    plan: object = None
+    #: where the upstream object lives, ``(module, "attr.attr")``; () when there is none
+    locator: tuple = dataclasses.field(default=(), compare=False, repr=False)
+
+    @functools.cached_property
+    def target(self):
+        """The upstream object itself (a function, class or module), imported on first use: deciding
+        needs only the source text, so ``report`` imports neither torch nor transformers."""
+        return _load(self.locator) if self.locator else None
+
+    def __reduce__(self):
+        # the imported target is not part of the value: a pickled or deep-copied record carries the
+        # decision and its locator, and imports the object again where it is needed
+        return (Resolution, (self.capability, self.impl, self.source, self.reason, self.transformers, self.plan,
+                             self.locator))
+
+    def as_dict(self):
+        plan = dataclasses.asdict(self.plan) if dataclasses.is_dataclass(self.plan) else self.plan
+        return {
+            "capability": self.capability,
+            "impl": self.impl,
+            "source": self.source,
+            "reason": self.reason,
+            "transformers": self.transformers,
+            "plan": plan,
+        }

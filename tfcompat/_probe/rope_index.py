@@ -32,7 +32,8 @@ def _splits_frames(fn, fam):
 
 @functools.lru_cache(maxsize=None)
 def _splits_frames_of(function):
-    from .resolve import _Imported, _probe, splits_video_frames
+    from .resolvers import _probe, splits_video_frames
+    from .source import _Imported
 
     found = _Imported.definition(getattr(function, "__qualname__", "get_rope_index"), function)
     return _probe("rope_index", "whether get_rope_index splits video grids per frame", found, splits_video_frames)

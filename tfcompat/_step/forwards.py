@@ -1,5 +1,5 @@
 """The patched forwards, each a module-level function of ``(module, *args, **kwargs)`` installed by reference
-(:data:`FORWARDS`): here the rotary module (hands the step to the layers on its output), the decoder layers,
+(:data:`.patch.FORWARDS`): here the rotary module (hands the step to the layers on its output), the decoder layers,
 the attention and the linear-attention mixers, which read only their arguments, the step and what patch time
 bound; the text model's in :mod:`.text`, the top model's and the vision owner's in :mod:`.top`.
 """
@@ -9,8 +9,6 @@ from __future__ import annotations
 from .._probe import resolve as _resolve
 from ..errors import PackingError, TfcompatError, UlyssesError
 from . import scope as _carrier
-from . import text as _text
-from . import top as _top
 from .install import (
     _ATTR,
     _CACHE_NAMES,
@@ -22,10 +20,8 @@ from .install import (
     _StepMask,
 )
 
-__all__ = ["FORWARDS"]
 
-
-def _rotary_forward(self, *args, **kwargs):
+def rotary_forward(self, *args, **kwargs):
     state = getattr(self, _ATTR)
     out = _original(self, state, *args, **kwargs)
     entry = _carrier.call_entry()
@@ -52,7 +48,7 @@ def _carried(args, kwargs):
     return None
 
 
-def _layer_forward(self, *args, **kwargs):
+def layer_forward(self, *args, **kwargs):
     state = getattr(self, _ATTR)
     pe = kwargs.get("position_embeddings")
     if not isinstance(pe, _Carried):
@@ -102,7 +98,7 @@ def _lost_step(state, module, what):
 
 
 # ------------------------------------------------------------------------------- attention
-def _attention_forward(self, *args, **kwargs):
+def attention_forward(self, *args, **kwargs):
     """Every layer of a packed step runs this: it reads its arguments, the step (on the position embeddings) and
     what patch time bound (``state``); the rotation is prepared once per step (:func:`.rotation.for_layers`)."""
     import torch
@@ -214,7 +210,7 @@ def _attention_unpacked(self, state, args, kwargs):
 
 
 # ------------------------------------------------------------------------ linear attention
-def _linear_forward(self, hidden_states, *args, **kwargs):
+def linear_forward(self, hidden_states, *args, **kwargs):
     import torch
 
     state = getattr(self, _ATTR)
@@ -234,11 +230,3 @@ def _linear_forward(self, hidden_states, *args, **kwargs):
     b = step.bounds
     outs = [_original(self, state, hidden_states[:, lo:hi], *args, **kwargs) for lo, hi in zip(b[:-1], b[1:])]
     return torch.cat(outs, dim=1)
-
-
-FORWARDS = {"vl+top": _top.vl_top_forward, "vl": _top.vl_forward, "top": _top.top_forward,
-            "text": _text.text_model_forward,
-             "rotary": _rotary_forward, "layer": _layer_forward,
-             "attention": _attention_forward, "linear": _linear_forward}
-
-

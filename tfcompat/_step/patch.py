@@ -44,7 +44,9 @@ from typing import TYPE_CHECKING, Any
 from .._probe import resolve as _resolve
 from .._probe.families import family as _family
 from ..errors import ModelError, UlyssesError, UnsupportedTransformersError
-from .forwards import FORWARDS
+from . import forwards as _layers
+from . import text as _text
+from . import top as _top
 from .install import _ATTR, _MODEL_ATTR, _install, _is_wrapper, _patched_as, _State, _uninstall, _unwrapped_children
 
 if TYPE_CHECKING:
@@ -75,6 +77,11 @@ class PatchRecord:
     context_world_size: int = 1
 
 
+
+#: the forward each kind of patched module runs (module-level functions, held by reference: picklable)
+FORWARDS = {"vl+top": _top.vl_top_forward, "vl": _top.vl_forward, "top": _top.top_forward,
+            "text": _text.text_model_forward, "rotary": _layers.rotary_forward, "layer": _layers.layer_forward,
+            "attention": _layers.attention_forward, "linear": _layers.linear_forward}
 
 def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group: Any = None,
           dummy_visual: bool = True, slice_inputs: bool = False, context_group: Any = None) -> PatchRecord:

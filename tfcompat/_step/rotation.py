@@ -120,8 +120,10 @@ class Rotation:
             return False
         layout = mod.Layout(self.rotation, self.res.plan.gptj_cos, self.section)
         # first use in this process for this (device, dtype, layout) proves the kernel against the composite
-        if not mod.proven(q, k, cos, sin, layout, self.seq_dim, self.inplace, self.rotation, self.res.plan.gptj_cos,
-                          explicit):
+        from .._kernels.rope_proof import proven
+
+        if not proven(q, k, cos, sin, layout, self.seq_dim, self.inplace, self.rotation, self.res.plan.gptj_cos,
+                      explicit):
             return False  # failed its first-use proof under auto
         self.kind, self.mod, self.layout = "triton", mod, layout
         return True

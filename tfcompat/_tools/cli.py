@@ -16,8 +16,7 @@ from .common import _PROG, SCHEMA, _dist_version  # noqa: F401 (SCHEMA: the JSON
 
 # ----------------------------------------------------------------------------- report
 def _report(args):
-    from .. import version
-    from .._probe import backends as _backends
+    from .. import report, version
     from .._probe import resolve as _resolve
 
     doc = {
@@ -35,7 +34,7 @@ def _report(args):
     try:
         version.require_supported_transformers("tfcompat report")
         doc["families"] = _resolve.installed_families()
-        doc["resolutions"] = [r.as_dict() for r in _backends.report()]
+        doc["resolutions"] = [r.as_dict() for r in report()]
         if version.transformers_version() > version._normalize(version.TESTED_MAX_TRANSFORMERS):
             doc["note"] = (f"transformers {doc['transformers']} is newer than the newest tested release "
                            f"{version.TESTED_MAX_TRANSFORMERS}; every choice below comes from probes")
@@ -57,25 +56,29 @@ def _report(args):
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
     else:
-        print(f"tfcompat {doc['tfcompat']}  python {doc['python']}  torch {doc['torch']}  "
-              f"transformers {doc['transformers']}  flash-attn {doc['flash_attn'] or '-'}")
-        print(f"supported transformers: {doc['supported_range'][0]} .. {doc['supported_range'][1]} (newer: probed)")
-        if doc.get("note"):
-            print("note:", doc["note"])
-        # one block per decision, at most 100 columns: capability and choice, then the reason wrapped
-        import textwrap
-
-        for r in doc["resolutions"]:
-            source = r["source"].replace("transformers.models.", "")
-            head = f"{r['capability']}: {r['impl']}"
-            if source and len(head) + len(source) + 5 <= 100:
-                head += f"  ({source})"
-            print(head)
-            for line in textwrap.wrap(r["reason"], width=96, break_on_hyphens=False):
-                print("    " + line)
-        if doc["error"]:
-            print("error:", doc["error"])
+        _print_report(doc)
     return 1 if doc["error"] or any(r["impl"] == "unsupported" for r in doc["resolutions"]) else 0
+
+
+def _print_report(doc):
+    """The report as lines: versions, then one block per decision, at most 100 columns."""
+    import textwrap
+
+    print(f"tfcompat {doc['tfcompat']}  python {doc['python']}  torch {doc['torch']}  "
+          f"transformers {doc['transformers']}  flash-attn {doc['flash_attn'] or '-'}")
+    print(f"supported transformers: {doc['supported_range'][0]} .. {doc['supported_range'][1]} (newer: probed)")
+    if doc.get("note"):
+        print("note:", doc["note"])
+    for r in doc["resolutions"]:
+        source = r["source"].replace("transformers.models.", "")
+        head = f"{r['capability']}: {r['impl']}"
+        if source and len(head) + len(source) + 5 <= 100:
+            head += f"  ({source})"
+        print(head)
+        for line in textwrap.wrap(r["reason"], width=96, break_on_hyphens=False):
+            print("    " + line)
+    if doc["error"]:
+        print("error:", doc["error"])
 
 
 # ------------------------------------------------------------------------------- main

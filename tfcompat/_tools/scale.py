@@ -64,6 +64,23 @@ def _rope_facts(config: Any) -> Any:
             "mrope_section": rp.mrope_section, "scaling": dict(rp.scaling)}
 
 
+def _fewer_experts(text, kept, layers):
+    """MoE settings scaled down: the MLP-only layers that remain, and at least 4 experts (twice top-k)."""
+    out: dict = {}
+    mlp_only = getattr(text, "mlp_only_layers", None)
+    if mlp_only:
+        out["mlp_only_layers"] = [i for i in mlp_only if i < layers]
+    experts = next((getattr(text, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                    if getattr(text, k, None)), None)
+    top_k = kept.get("num_experts_per_tok")
+    if experts and top_k:
+        small = max(4, 2 * int(top_k)) if int(top_k) * 2 <= int(experts) else int(experts)
+        for k in ("num_experts", "n_routed_experts", "num_local_experts"):
+            if getattr(text, k, None):
+                out[k] = small
+    return out
+
+
 def scaled_config(config: Any) -> tuple[Any, dict]:
     """``(tiny config of the same family, what was kept)`` for a loaded config."""
     from .._probe.families import family
@@ -90,17 +107,7 @@ def scaled_config(config: Any) -> tuple[Any, dict]:
     types = getattr(text, "layer_types", None)
     if types:
         overrides["layer_types"] = list(types)[:layers]
-    mlp_only = getattr(text, "mlp_only_layers", None)
-    if mlp_only:
-        overrides["mlp_only_layers"] = [i for i in mlp_only if i < layers]
-    experts = next((getattr(text, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
-                    if getattr(text, k, None)), None)
-    top_k = kept.get("num_experts_per_tok")
-    if experts and top_k:
-        small = max(4, 2 * int(top_k)) if int(top_k) * 2 <= int(experts) else int(experts)
-        for k in ("num_experts", "n_routed_experts", "num_local_experts"):
-            if getattr(text, k, None):
-                overrides[k] = small
+    overrides.update(_fewer_experts(text, kept, layers))
     if want is not None and "partial_rotary_factor" not in kept:
         # not set by the user: the release's default for this config, never the tiny config's own factor
         overrides["partial_rotary_factor"] = want["partial_rotary_factor"]
