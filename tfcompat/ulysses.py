@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ._kernels.collectives import all_gather
 from .errors import UlyssesError
 
 __all__ = ["UlyssesError", "gather_seq_scatter_heads", "gather_heads_scatter_seq", "slice_for_rank",
@@ -81,8 +82,7 @@ def _check_shapes(x, group, to_heads):
                            f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     p = _size(group)
     mine = torch.tensor(list(x.shape), dtype=torch.int64, device=x.device)
-    seen = [torch.zeros_like(mine) for _ in range(p)]
-    dist.all_gather(seen, mine, group=group)
+    seen = all_gather(mine, group)
     shapes = [tuple(int(v) for v in t) for t in seen]
     if len(set(shapes)) != 1:
         raise UlyssesError(f"tfcompat: ulysses.{name}: the ranks hold tensors of shapes {shapes}; every rank must "
@@ -162,10 +162,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(_size(group))]
-        dist.all_gather(parts, x, group=group)
-        return torch.cat(parts, dim=dim)
+        return torch.cat(all_gather(x, group), dim=dim)
 
     @staticmethod
     def backward(ctx, grad):

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._kernels.collectives import all_gather
 from ..errors import UlyssesError
 
 __all__ = ["chunks_of", "padded_total", "slice_rows", "gather_rows", "attend"]
@@ -68,9 +69,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x, group=group)
+        parts = all_gather(x, group)
         return _order(parts, dim, len(parts))
 
     @staticmethod
@@ -94,10 +93,7 @@ class _AllGatherSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x, group=group)
-        return torch.cat(parts, dim=0)
+        return torch.cat(all_gather(x, group), dim=0)
 
     @staticmethod
     def backward(ctx, grad):

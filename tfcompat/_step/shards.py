@@ -66,6 +66,8 @@ def _check_ulysses_lengths(local, batch, group, state, ref, position_ids, whole,
     import torch
     import torch.distributed as dist
 
+    from .._kernels.collectives import all_gather
+
     if batch != 1:
         raise UlyssesError(f"tfcompat {state.family}: Ulysses needs one packed row per rank (batch 1), got batch "
                            f"{batch}; pack the micro-batch (tfcompat.packing.pack) before slicing it")
@@ -74,8 +76,7 @@ def _check_ulysses_lengths(local, batch, group, state, ref, position_ids, whole,
         mine = torch.cat((mine, _fingerprint(ref, position_ids).to(mine.device)))
     if dist.get_backend(group) == "nccl":
         mine = mine.cuda()
-    seen = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(seen, mine, group=group)  # equal shapes on every rank
+    seen = all_gather(mine, group)  # equal shapes on every rank
     lengths = [int(x[0]) for x in seen]
     if len(set(lengths)) != 1:
         what = "the whole row" if whole else "an equal slice"
