@@ -126,3 +126,29 @@ def test_one_sequence_cu_beside_restarting_mrope_ids_is_refused(name):
     out = model(input_ids=ids, position_ids=pos, cu_seq_lens_q=two, cu_seq_lens_k=two, max_length_q=5,
                 max_length_k=5)
     assert out.logits.shape[:2] == (1, 8)
+
+
+def test_a_packed_row_with_a_cache_is_one_packing_error():
+    """A packed row with a KV cache is refused with one class (PackingError) whether the boundaries come from
+    position ids or cu_seq_lens_q, as is output_attentions on a packed row."""
+    from transformers import DynamicCache
+
+    import tfcompat
+    from tfcompat.errors import PackingError
+    from tfcompat.packing import pack
+    from tfcompat.testing import padded_batch, tiny_model
+
+    model = tiny_model("qwen2")
+    tfcompat.patch(model)
+    ids, mask = padded_batch([[5, 6, 7, 8], [9, 10, 11]])
+    pk = pack(ids, mask)
+    try:
+        cache = DynamicCache(config=model.config)
+    except TypeError:
+        cache = DynamicCache()
+    for extra in ({}, {"cu_seq_lens_q": pk.cu_seqlens, "max_length_q": pk.max_seqlen}):
+        with torch.no_grad(), pytest.raises(PackingError, match="KV cache"):
+            model(input_ids=pk.input_ids, position_ids=pk.position_ids, past_key_values=cache, use_cache=True,
+                  **extra)
+    with torch.no_grad(), pytest.raises(PackingError, match="output_attentions=True"):
+        model(input_ids=pk.input_ids, position_ids=pk.position_ids, output_attentions=True, use_cache=False)

@@ -112,7 +112,7 @@ def attention_forward(self, *args, **kwargs):
         return _attention_unpacked(self, state, args, kwargs)
     step = pe.step
     if hidden.shape[0] != 1:
-        raise TfcompatError(f"tfcompat {state.family}: the packed attention needs batch 1, got batch "
+        raise PackingError(f"tfcompat {state.family}: the packed attention needs batch 1, got batch "
                             f"{hidden.shape[0]}")
     if state.group_lost:
         state.group_or_raise()
@@ -223,7 +223,7 @@ def linear_forward(self, hidden_states, *args, **kwargs):
     args = tuple(None if v is carrier else v for v in args)
     cache = next((kwargs[n] for n in _CACHE_NAMES if kwargs.get(n) is not None), args[0] if args else None)
     if cache is not None or hidden_states.shape[0] != 1:
-        raise TfcompatError(f"tfcompat {state.family}: the packed linear attention takes batch 1 and no cache")
+        raise PackingError(f"tfcompat {state.family}: the packed linear attention takes batch 1 and no cache")
     kwargs = {k: v for k, v in kwargs.items() if k not in _FLASH_KWARGS + ("position_ids", "attention_mask")}
     # The torch fallback of transformers ignores cu_seqlens, so run each sequence on its own:
     # exact, and no recurrent or convolution state crosses a boundary.

@@ -6,7 +6,7 @@ unpacked batches run upstream's own path. Installed by reference, as :mod:`.forw
 from __future__ import annotations
 
 from .._probe import resolve as _resolve
-from ..errors import PackingError, TfcompatError, UlyssesError
+from ..errors import PackingError
 from . import boundaries as _boundaries
 from . import scope as _carrier
 from . import shards as _shards
@@ -81,9 +81,7 @@ def _decode_under_group(self, state, a, seen, ref, args, kwargs):
     cannot be decoded so (its sequences would share the cache): refused, as without a group."""
     if _boundaries.find_step(state, None, {}, seen, a.get("attention_mask"), ref.shape[0], ref.shape[1],
                              ref.device) is not None:
-        raise UlyssesError(f"tfcompat {state.family}: a packed row (or a sequence-parallel slice of one) was "
-                           f"passed with a KV cache or cache_position; pass use_cache=False and no "
-                           f"past_key_values for training, or unpack the row for generation")
+        raise _packed_with_cache(state, "a KV cache or cache_position")
     return _original(self, state, *args, **kwargs)
 
 
@@ -118,6 +116,13 @@ def _unpacked(self, state, a, position_ids, changed, args, kwargs):
     return _original(self, state, *args, **kwargs)
 
 
+def _packed_with_cache(state, what):
+    """One refusal, one class, with or without a sequence group: a packed row (or a slice of one) and a cache."""
+    return PackingError(f"tfcompat {state.family}: a packed row (or a sequence-parallel slice of one) was passed "
+                        f"with {what}; sequences of a packed row cannot share one cache; pass use_cache=False and "
+                        f"no past_key_values for training, or unpack the row for generation")
+
+
 def _packed(self, state, a, step, changed):
     """A packed step: upstream's call with no cache and a mask of ones, inside the step's scope (the rotary
     module hands the step to the layers on the position embeddings)."""
@@ -125,13 +130,9 @@ def _packed(self, state, a, step, changed):
 
     cache = next((a[n] for n in _CACHE_NAMES if a.get(n) is not None), None)
     if cache is not None:
-        raise TfcompatError(
-            f"tfcompat {state.family}: a packed row (or Ulysses shard) was passed with a KV cache "
-            f"({type(cache).__name__}); sequences of a packed row cannot share one cache; pass use_cache=False "
-            f"and no past_key_values for training, or unpack the row for generation"
-        )
+        raise _packed_with_cache(state, f"a KV cache ({type(cache).__name__})")
     if a.get("output_attentions"):
-        raise TfcompatError(
+        raise PackingError(
             f"tfcompat {state.family}: output_attentions=True on a packed row (or Ulysses shard): the packed "
             f"attention computes no weight matrix; call the unpatched model on the padded batch to inspect weights"
         )
