@@ -52,17 +52,16 @@ def layer_forward(self, *args, **kwargs):
     state = getattr(self, _ATTR)
     pe = kwargs.get("position_embeddings")
     if not isinstance(pe, _Carried):
-        pe = _carried(args, kwargs)
+        pe = None if "position_embeddings" in kwargs else _carried(args, kwargs)
     if pe is None:
-        if _in_step():
+        if isinstance(_carrier.call_entry(), _carrier.Active):  # a tripwire: the step's carrier was lost
             raise TfcompatError(
                 f"tfcompat {state.family}: {type(self).__name__} did not receive the position embeddings of this "
                 f"packed step, so it cannot tell where sequences begin; a wrapper around the decoder layer that "
                 f"drops keyword arguments would do this (wrap the layers with torch's checkpoint_wrapper or "
                 f"tfcompat.enable_checkpointing); if nothing wraps it, this transformers release passes them "
                 f"differently: please report it (transformers {_resolve._version.transformers_version()})")
-        return _original(self, state, *args, **kwargs)
-    if state.linear_child:
+    elif state.linear_child:
         args, kwargs = _with_step_mask(self, pe.step, args, kwargs)
     # the step rides in the call's own arguments (the position embeddings, the linear mixers' mask): whoever
     # checkpoints the layer (transformers' switch on any release, torch's wrappers) replays them as they are
@@ -106,9 +105,13 @@ def attention_forward(self, *args, **kwargs):
     state = getattr(self, _ATTR)
     pe = kwargs.get("position_embeddings")
     if not isinstance(pe, _Carried):
-        pe = _carried(args, kwargs)
+        pe = None if "position_embeddings" in kwargs else _carried(args, kwargs)
     hidden = args[0] if args else kwargs.get("hidden_states")
     if pe is None or hidden is None:
+        if state.group is None and state.cgroup is None and not state.group_lost and \
+                not isinstance(_carrier.call_entry(), _carrier.Active):
+            saved = state.saved_forward  # not packed, not split: upstream's attention, unchanged
+            return saved(*args, **kwargs) if saved is not None else type(self).forward(self, *args, **kwargs)
         return _attention_unpacked(self, state, args, kwargs)
     step = pe.step
     if hidden.shape[0] != 1:

@@ -56,7 +56,9 @@ def text_model_forward(self, *args, **kwargs):
         a["position_ids"] = _shards.shard_positions(state, explicit, a.get("position_ids"), ref.shape[1],
                                                     ref.device)
     batch, local = ref.shape[0], ref.shape[1]
-    position_ids = _boundaries.check_position_shape(state.family, a.get("position_ids"), batch, local)
+    # a split row's positions were sliced or made above: checked again; else those checked before
+    position_ids = _boundaries.check_position_shape(state.family, a.get("position_ids"), batch, local) if split \
+        else seen
     _check_mask_length(state, a, batch, local)
     changed = {}
     plan = _resolve.resolve("attention.signature", state.family).plan
