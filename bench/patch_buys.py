@@ -1,9 +1,11 @@
 """What ``tfcompat.patch`` buys on the installed transformers: for text and VL families, whether the unpatched
 model is already exact on a packed row, whether the patched one is, and their step times side by side.
 
-    python bench/patch_buys.py [--families qwen2,qwen3,glm4,qwen2_vl,qwen2_5_vl,qwen3_vl,glm4v] [--repeats 5]
+    python bench/patch_buys.py [--families qwen2,qwen3,glm4,qwen2_vl,qwen2_5_vl,qwen3_vl,glm4v] [--scale 1]
+                               [--repeats 5]
 
-The packed row holds 4 sequences (an image in two of them for VL families) and is fed as transformers'
+The packed row holds 4 sequences of 7, 5, 9 and 4 text tokens times ``--scale`` (an image in two of them for VL
+families) and is fed as transformers'
 padding-free collator feeds it (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``): input_ids,
 position ids counting from 0 in every sequence (VL: ``tfcompat.packing.pack``'s 4-row ids, the text row first,
 which transformers 5.x VL models take), and ``cu_seq_lens_q/k``, ``max_length_q/k``. The oracle is the same
@@ -33,10 +35,13 @@ def _vision(model):
     return hasattr(model.config, "vision_config")
 
 
-def _batch(name, model):
+def _batch(name, model, scale):
     vl = _vision(model)
-    rows = [tiny_sequence(name, text=7, image=vl), tiny_sequence(name, text=5), tiny_sequence(name, text=9),
-            tiny_sequence(name, text=4, image=vl, image_first=True)]
+    def more(n):  # text tokens beyond the tiny sequence's own (ids below the vocabulary's special tokens)
+        return [10 + i % 200 for i in range(n * (scale - 1))]
+
+    rows = [tiny_sequence(name, text=7, image=vl) + more(7), tiny_sequence(name, text=5) + more(5),
+            tiny_sequence(name, text=9) + more(9), tiny_sequence(name, text=4, image=vl, image_first=True) + more(4)]
     ids, mask = padded_batch(rows)
     pixels = tiny_pixels(2 if vl else 0)
     pos = None
@@ -61,9 +66,9 @@ def _quartile(fn, repeats):
     return statistics.quantiles(times, n=4)[0] if len(times) > 1 else times[0]
 
 
-def measure(name, repeats):
+def measure(name, repeats, scale):
     model = tiny_model(name)
-    ids, mask, pixels, pos = _batch(name, model)
+    ids, mask, pixels, pos = _batch(name, model, scale)
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask, use_cache=False, **pixels, **_extra(model, ids)).logits
     want = want[mask.bool()]
@@ -96,21 +101,22 @@ def measure(name, repeats):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", default=FAMILIES)
+    ap.add_argument("--scale", type=int, default=1, help="times the text tokens of every sequence")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(1)
     from tfcompat._probe.resolve import installed_families
 
     have = installed_families()
-    print(f"transformers {transformers_version()}, torch {torch.__version__}, fp32 CPU, 1 thread, lower quartile "
-          f"of {args.repeats} runs")
+    print(f"transformers {transformers_version()}, torch {torch.__version__}, fp32 CPU, 1 thread, text x{args.scale}, "
+          f"lower quartile of {args.repeats} runs")
     print(f"{'family':<12} {'unpatched max rel':>20} {'patched max rel':>16} {'unpatched ms':>13} {'patched ms':>11} "
           f"{'ratio':>6}")
     for name in args.families.split(","):
         if name not in have:
             print(f"{name:<12} {'(not in this release)':>20}")
             continue
-        upstream, ours, up_ms, ours_ms = measure(name, args.repeats)
+        upstream, ours, up_ms, ours_ms = measure(name, args.repeats, args.scale)
         ratio = f"{ours_ms / up_ms:6.2f}" if up_ms else f"{'-':>6}"
         up = f"{up_ms:13.1f}" if up_ms else f"{'-':>13}"
         print(f"{name:<12} {upstream:>20} {ours:16.1e} {up} {ours_ms:11.1f} {ratio}")
