@@ -76,3 +76,37 @@ def test_drift_of_a_loaded_config_and_bad_input():
         drift(os.path.join(folder, "missing.json"))
     with pytest.raises(ConfigError, match="pass a config.json path"):
         drift(torch.zeros(1))
+
+
+VL_FOLDERS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "data", "checkpoints",
+                                           "qwen2_vl-*--saved-by-*")))
+
+
+@pytest.mark.parametrize("folder", VL_FOLDERS, ids=[os.path.basename(f) for f in VL_FOLDERS])
+def test_vl_drift_sections_and_nested_text_config(folder):
+    """Tiny Qwen2-VL configs with mRoPE sections (8, 4, 4) and theta 5e5, saved by 4.51.3 (flat), 4.57.6 (nested,
+    rope_scaling), 5.0.0 and 5.24.0 (nested, rope_parameters). A release with flat VL configs (4.51) keeps a
+    nested text_config as a dict and builds its model from the top-level defaults; a 4.x release reads no
+    rope_parameters, so its attention finds no sections (upstream's own forward raises: the oracle); 5.x reads
+    every file as written."""
+    import importlib
+
+    from tfcompat._probe.families import family
+
+    raw = json.load(open(os.path.join(folder, "config.json")))
+    keys = {r.key for r in drift(folder)}
+    flat = not hasattr(importlib.import_module(family("qwen2_vl").configuration), "Qwen2VLTextConfig")
+    saved_by_5 = raw["transformers_version"].startswith("5.")
+    if flat and "text_config" in raw:
+        assert {"rope_theta", "text_config.hidden_size", "text_config.num_attention_heads"} <= keys, keys
+    elif transformers_version().major == 4 and saved_by_5:
+        assert keys == {"rope_theta", "mrope_section"}, keys
+        from transformers import AutoConfig
+
+        from tfcompat.testing import model_class
+
+        model = model_class("qwen2_vl")(AutoConfig.from_pretrained(folder, local_files_only=True))
+        with pytest.raises(TypeError, match="NoneType"), torch.no_grad():  # rope_scaling["mrope_section"]
+            model(input_ids=torch.tensor([[5, 6, 7, 8]]), use_cache=False)
+    else:
+        assert keys == set(), keys

@@ -129,12 +129,13 @@ def test_one_sequence_cu_beside_restarting_mrope_ids_is_refused(name):
 
 
 def test_a_packed_row_with_a_cache_is_one_packing_error():
-    """A packed row with a KV cache is refused with one class (PackingError) whether the boundaries come from
-    position ids or cu_seq_lens_q, as is output_attentions on a packed row."""
+    """A packed row with a KV cache is refused with one class (PackedCacheError: a PackingError and a UlyssesError,
+    the class it had under a sequence group) whether the boundaries come from position ids or cu_seq_lens_q;
+    output_attentions on a packed row is a PackingError."""
     from transformers import DynamicCache
 
     import tfcompat
-    from tfcompat.errors import PackingError
+    from tfcompat.errors import PackedCacheError, PackingError, UlyssesError
     from tfcompat.packing import pack
     from tfcompat.testing import padded_batch, tiny_model
 
@@ -147,8 +148,9 @@ def test_a_packed_row_with_a_cache_is_one_packing_error():
     except TypeError:
         cache = DynamicCache()
     for extra in ({}, {"cu_seq_lens_q": pk.cu_seqlens, "max_length_q": pk.max_seqlen}):
-        with torch.no_grad(), pytest.raises(PackingError, match="KV cache"):
+        with torch.no_grad(), pytest.raises(PackedCacheError, match="KV cache") as err:
             model(input_ids=pk.input_ids, position_ids=pk.position_ids, past_key_values=cache, use_cache=True,
                   **extra)
+        assert isinstance(err.value, PackingError) and isinstance(err.value, UlyssesError)
     with torch.no_grad(), pytest.raises(PackingError, match="output_attentions=True"):
         model(input_ids=pk.input_ids, position_ids=pk.position_ids, output_attentions=True, use_cache=False)

@@ -17,8 +17,7 @@ import dataclasses
 from typing import Any, Optional
 
 from ._probe import resolve as _resolve
-from ._probe import transformers4
-from ._probe.drift import text_config
+from ._probe.drift import rope_dict, text_config
 from ._probe.families import family as _family
 from .errors import ConfigError
 
@@ -68,28 +67,6 @@ class RopeParameters:
     scaling: FrozenDict = dataclasses.field(default_factory=FrozenDict)
 
 
-def _rope_dict(cfg, key):
-    """The raw RoPE dict (a copy) and the name of the attribute it came from."""
-    raw = cfg.__dict__.get("rope_parameters") if key == "rope_parameters" else None
-    if raw is None and key == "rope_parameters":
-        raw = getattr(cfg, "rope_parameters", None)
-    if raw is None:
-        raw = transformers4.rope_scaling(cfg)
-        key = "rope_scaling"
-    raw = dict(raw or {})
-    layer_types = getattr(cfg, "layer_types", None) or ()
-    if raw and set(raw) <= set(layer_types):
-        # 5.x nests one dict per attention type; RoPE belongs to the full-attention layers
-        nested = raw.get("full_attention")
-        if not isinstance(nested, dict):
-            raise ConfigError(
-                f"{key} of {type(cfg).__name__} is nested per layer type ({sorted(raw)}) without a "
-                f"'full_attention' entry; tfcompat reads RoPE of full-attention layers only"
-            )
-        raw = dict(nested)
-    return raw, key
-
-
 def rope_parameters(config: Any, *, model_type: Optional[str] = None) -> RopeParameters:
     """The :class:`RopeParameters` of ``config`` (top-level or text config) on the installed release.
 
@@ -107,7 +84,7 @@ def rope_parameters(config: Any, *, model_type: Optional[str] = None) -> RopePar
         raise ConfigError(f"rope_parameters for {fam.name}: {resolution.reason} on transformers "
                           f"{resolution.transformers}; its config has no RoPE parameters")
     init = resolution.plan
-    raw, key = _rope_dict(cfg, init.config_key)
+    raw, key = rope_dict(cfg, init.config_key)
 
     what = f"rope_parameters({type(config).__name__})"
     rope_type = _rope_type(raw, key, what, resolution)

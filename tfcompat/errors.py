@@ -16,6 +16,7 @@ __all__ = [
     "UlyssesError",
     "EmbedsError",
     "ModelError",
+    "PackedCacheError",
 ]
 
 
@@ -59,4 +60,13 @@ class ModelError(TfcompatError, TypeError):
     """An object where a model instance is expected (a config, a family name, a class).
 
     .. versionadded:: 0.1.0
+    """
+
+
+class PackedCacheError(PackingError, UlyssesError):
+    """A packed row (or a sequence-parallel slice of one) passed with a KV cache: its sequences cannot share one.
+    One class with or without a sequence group; an ``except`` for either parent catches it (raised as
+    ``UlyssesError`` under a group and ``TfcompatError`` without one before).
+
+    .. versionadded:: 0.2.0
     """

@@ -69,6 +69,30 @@ def text_config(config: Any) -> Any:
     return config if sub is None or isinstance(sub, dict) else sub
 
 
+def rope_dict(cfg, key):
+    """The raw RoPE dict (a copy) and the name of the attribute it came from."""
+    raw = cfg.__dict__.get("rope_parameters") if key == "rope_parameters" else None
+    if raw is None and key == "rope_parameters":
+        raw = getattr(cfg, "rope_parameters", None)
+    if raw is None:
+        from . import transformers4
+
+        raw = transformers4.rope_scaling(cfg)
+        key = "rope_scaling"
+    raw = dict(raw or {})
+    layer_types = getattr(cfg, "layer_types", None) or ()
+    if raw and set(raw) <= set(layer_types):
+        # 5.x nests one dict per attention type; RoPE belongs to the full-attention layers
+        nested = raw.get("full_attention")
+        if not isinstance(nested, dict):
+            raise ConfigError(
+                f"{key} of {type(cfg).__name__} is nested per layer type ({sorted(raw)}) without a "
+                f"'full_attention' entry; tfcompat reads RoPE of full-attention layers only"
+            )
+        raw = dict(nested)
+    return raw, key
+
+
 def raw_of(path_or_config):
     if isinstance(path_or_config, (str, os.PathLike)):
         path = os.fspath(path_or_config)
@@ -105,7 +129,9 @@ def _intent(raw):
     theta = rope.get("rope_theta", get("rope_theta"))
     kind = rope.get("rope_type", rope.get("type"))
     factor = rope.get("partial_rotary_factor", get("partial_rotary_factor"))
-    return {"rope_theta": theta, "rope_type": kind, "partial_rotary_factor": factor}
+    section = rope.get("mrope_section")
+    return {"rope_theta": theta, "rope_type": kind, "partial_rotary_factor": factor, "head_dim": get("head_dim"),
+            "mrope_section": tuple(section) if isinstance(section, (list, tuple)) else None}
 
 
 def _built(config):
@@ -127,7 +153,12 @@ def _built(config):
     kind = str(getattr(rotary, "rope_type", "default"))
     theta = float(inv[1] ** (-width / 2.0)) if inv.numel() > 1 and kind == "default" else None
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return {"rope_type": kind, "rope_theta": theta, "rotary_dim": width, "head_dim": head_dim}
+    section = None
+    if fam.mrope != "none":  # the sections this release's attention (or rotary module) folds by
+        init = _resolve.resolve("rope.init", fam.name).plan
+        section = rope_dict(text, init.config_key)[0].get("mrope_section") or init.default_mrope_section
+    return {"rope_type": kind, "rope_theta": theta, "rotary_dim": width, "head_dim": head_dim,
+            "mrope_section": section}
 
 
 def drift(path_or_config: Any) -> list:
@@ -164,6 +195,7 @@ def compare(raw: dict, config: Any) -> list:
                          f"transformers {release} does not read the key the file keeps it under (saved by "
                          f"transformers {raw.get('transformers_version', 'unknown')}); the model would train "
                          f"with theta {got['rope_theta']:g}"))
+    out += _shape_drift(raw, config, want, got, release)
     factor = want["partial_rotary_factor"]
     if isinstance(factor, (int, float)) and not isinstance(factor, bool) and got["head_dim"]:
         meant = int(got["head_dim"] * float(factor))
@@ -172,6 +204,35 @@ def compare(raw: dict, config: Any) -> list:
             out.append(Drift("partial_rotary_factor", factor, got["rotary_dim"] / got["head_dim"],
                              f"transformers {release}'s rotary module rotates {got['rotary_dim']} of "
                              f"{got['head_dim']} channels, not {meant}"))
+    return out
+
+
+#: keys a VL config nests under ``text_config`` that decide RoPE and attention (a flat release reads the top level)
+_NESTED = ("rope_theta", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_hidden_layers",
+           "sliding_window", "use_sliding_window", "max_window_layers")
+
+
+def _shape_drift(raw, config, want, got, release):
+    """head_dim and mRoPE sections the file sets that this release builds otherwise, and a nested ``text_config``
+    that a release with flat VL configs keeps as a dict while its model reads the top-level keys."""
+    out = []
+    head_dim = want["head_dim"]
+    if isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim != got["head_dim"]:
+        out.append(Drift("head_dim", head_dim, got["head_dim"], f"transformers {release}'s config does not read "
+                         f"head_dim for this family (hidden_size // num_attention_heads); its projections would "
+                         f"not match the checkpoint's"))
+    section, built = want["mrope_section"], got["mrope_section"]
+    if section is not None and (built is None or tuple(section) != tuple(built)):
+        out.append(Drift("mrope_section", list(section), None if built is None else list(built),
+                         f"transformers {release} reads the sections from a key this file does not set"
+                         + (" (its attention cannot fold cos/sin without them)" if built is None else "")))
+    nested = config.__dict__.get("text_config")
+    if isinstance(nested, dict):
+        for key in _NESTED:
+            if key in nested and key in config.__dict__ and nested[key] != config.__dict__[key]:
+                out.append(Drift(f"text_config.{key}", nested[key], config.__dict__[key],
+                                 f"transformers {release}'s flat config keeps text_config as a dict; its model "
+                                 f"reads the top-level {key}"))
     return out
 
 

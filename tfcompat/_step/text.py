@@ -6,7 +6,7 @@ unpacked batches run upstream's own path. Installed by reference, as :mod:`.forw
 from __future__ import annotations
 
 from .._probe import resolve as _resolve
-from ..errors import PackingError
+from ..errors import PackedCacheError, PackingError
 from . import boundaries as _boundaries
 from . import scope as _carrier
 from . import shards as _shards
@@ -120,9 +120,9 @@ def _unpacked(self, state, a, position_ids, changed, args, kwargs):
 
 def _packed_with_cache(state, what):
     """One refusal, one class, with or without a sequence group: a packed row (or a slice of one) and a cache."""
-    return PackingError(f"tfcompat {state.family}: a packed row (or a sequence-parallel slice of one) was passed "
-                        f"with {what}; sequences of a packed row cannot share one cache; pass use_cache=False and "
-                        f"no past_key_values for training, or unpack the row for generation")
+    return PackedCacheError(f"tfcompat {state.family}: a packed row (or a sequence-parallel slice of one) was passed "
+                            f"with {what}; sequences of a packed row cannot share one cache; pass use_cache=False "
+                            f"and no past_key_values for training, or unpack the row for generation")
 
 
 def _packed(self, state, a, step, changed):
