@@ -111,3 +111,25 @@ def test_a_config_upstream_itself_cannot_run_says_so(tmp_path, capsys):
     assert code == 2 and out.out == ""
     lines = out.err.strip().splitlines()
     assert len(lines) == 1 and "itself cannot run this config" in lines[0] and "TypeError" in lines[0]
+
+
+def test_layouts_line_names_the_degrees_the_real_heads_allow(capsys):
+    """`check --config` says which sequence-parallel degrees the model's real head counts allow (what
+    tfcompat.patch accepts): Qwen2.5-VL-7B's 28 query / 4 kv heads take Ulysses 1, 2, 4, 7, 14, 28 (kv heads
+    repeated for 7, 14, 28) and context parallelism at any degree; Qwen3.5's linear-attention layers take
+    neither."""
+    cases = {"Qwen__Qwen2.5-VL-7B-Instruct--saved-by-4.53.1": ([1, 2, 4, 7, 14, 28], [7, 14, 28], True),
+             "ArliAI__Qwen3.5-27B-Derestricted": ([1], [], False)}
+    ran = 0
+    for stem, (ulysses, repeated, context) in cases.items():
+        path = DATA / "configs" / f"{stem}.json"
+        if json.loads(path.read_text())["model_type"] not in installed():
+            continue
+        code, doc = _run(capsys, "--config", str(path))
+        if "drift" in doc:
+            continue  # said before any check (test_published_config_passes_every_check)
+        got = doc["layouts"]
+        assert (got["ulysses"], got["kv_repeated"], got["context"]) == (ulysses, repeated, context), got
+        ran += 1
+    if not ran:
+        pytest.skip("this release has neither family (or reads their files otherwise)")

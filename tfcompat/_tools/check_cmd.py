@@ -63,14 +63,38 @@ def _check_model(args):
             _upstream_runs(fam.name, target["config"])
         except TfcompatError as exc:
             return _check_fail(args, f"{path}: {exc}")
+    allowed = layouts(fam, config)
     if not args.json:
         print(f"{fam.name} ({type(config).__name__}, transformers {_dist_version('transformers')}): {how}")
         for key, value in kept.items():
             print(f"  kept {key} = {value}")
+        print(f"  layouts: {allowed['line']}")
         for result in results:
             print(_check_line(result, len(fam.name)), flush=True)
-    return _finish(args, results, start, {"families": [fam.name], "source": path,
+    return _finish(args, results, start, {"families": [fam.name], "source": path, "layouts": allowed,
                                           "kept": {k: str(v) for k, v in kept.items()}}, path)
+
+
+def layouts(fam, config):
+    """The sequence-parallel degrees the model's real head counts allow (what ``tfcompat.patch`` accepts):
+    Ulysses degrees divide the query heads (kv heads are repeated where the degree does not divide them);
+    context parallelism takes any degree; linear-attention layers take neither."""
+    from .._probe import resolve as _resolve
+    from .._probe.drift import text_config
+
+    text = text_config(config)
+    heads = int(text.num_attention_heads)
+    kv = int(getattr(text, "num_key_value_heads", None) or heads)
+    if _resolve.resolve("attention.signature", fam.name).plan.linear_attention:
+        why = "linear-attention (Gated DeltaNet) layers carry a recurrent state along the sequence"
+        return {"ulysses": [1], "kv_repeated": [], "context": False,
+                "line": f"no sequence parallelism: {why} (tfcompat.patch refuses ulysses_group and context_group)"}
+    degrees = [d for d in range(1, heads + 1) if heads % d == 0]
+    repeated = [d for d in degrees if kv % d]
+    line = f"Ulysses degrees {', '.join(map(str, degrees))} ({heads} query heads"
+    line += f"; {kv} kv heads repeated for {', '.join(map(str, repeated))})" if repeated else f", {kv} kv heads)"
+    return {"ulysses": degrees, "kv_repeated": repeated, "context": True,
+            "line": line + "; context parallel: any degree, also beside Ulysses"}
 
 
 def _load_model(args, path):
