@@ -107,6 +107,7 @@ def test_vl_drift_sections_and_nested_text_config(folder):
 
         model = model_class("qwen2_vl")(AutoConfig.from_pretrained(folder, local_files_only=True))
         with pytest.raises(TypeError, match="NoneType"), torch.no_grad():  # rope_scaling["mrope_section"]
-            model(input_ids=torch.tensor([[5, 6, 7, 8]]), use_cache=False)
+            ids = torch.tensor([[5, 6, 7, 8]])  # a mask of ones: 4.53-4.57 cannot build a causal mask without one
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
     else:
         assert keys == set(), keys
