@@ -89,7 +89,7 @@ def rope_parameters(config: Any, *, model_type: Optional[str] = None) -> RopePar
     what = f"rope_parameters({type(config).__name__})"
     rope_type = _rope_type(raw, key, what, resolution)
     theta = _theta(raw, cfg, key, what, init)
-    head_dim = _head_dim(cfg, what)
+    head_dim = _head_dim(cfg, what, init.dim_key)
     partial = 1.0
     if init.reads_partial_rotary:
         partial = raw.get("partial_rotary_factor", None)
@@ -143,7 +143,9 @@ def _theta(raw, cfg, key, what, init):
                           f"upstream's rotary module computes inv_freq from it; fix the config's rope_theta") from None
 
 
-def _head_dim(cfg, what):
+def _head_dim(cfg, what, dim_key=""):
+    if dim_key and getattr(cfg, dim_key, None):  # the rotary module reads its width from this attribute
+        return int(getattr(cfg, dim_key))
     head_dim = getattr(cfg, "head_dim", None)
     if not head_dim:
         missing = [k for k in ("hidden_size", "num_attention_heads") if getattr(cfg, k, None) is None]

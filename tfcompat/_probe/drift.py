@@ -217,7 +217,8 @@ def _shape_drift(raw, config, want, got, release):
     that a release with flat VL configs keeps as a dict while its model reads the top-level keys."""
     out = []
     head_dim = want["head_dim"]
-    if isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim != got["head_dim"]:
+    mla = "qk_rope_head_dim" in raw or "qk_rope_head_dim" in _text_part(raw)  # head_dim means another width there
+    if isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim != got["head_dim"] and not mla:
         out.append(Drift("head_dim", head_dim, got["head_dim"], f"transformers {release}'s config does not read "
                          f"head_dim for this family (hidden_size // num_attention_heads); its projections would "
                          f"not match the checkpoint's"))

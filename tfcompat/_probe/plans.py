@@ -39,6 +39,9 @@ class RopeInitPlan:
     reads_partial_rotary: bool
     #: mrope_section the rotary module falls back to (None: no fallback)
     default_mrope_section: Optional[tuple] = None
+    #: the config attribute the default init takes the rotary width from where it is not head_dim (GLM-MoE-DSA on
+    #: 5.10: "qk_rope_head_dim"); "" where it reads head_dim (or hidden_size // num_attention_heads)
+    dim_key: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

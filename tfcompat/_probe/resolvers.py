@@ -122,6 +122,10 @@ def _resolve_rope_apply(fam, capability):
 _SECTION_DEFAULT = re.compile(r"""get\(\s*["']mrope_section["']\s*,\s*\[([\d,\s]+)\]""")
 
 
+#: the default init taking its rotary width from the MLA rope part (``head_dim = config.qk_rope_head_dim``)
+_DIM_KEY = re.compile(r"=\s*config\.qk_rope_head_dim\b")
+
+
 def _resolve_rope_init(fam, capability):
     module = _modeling(fam, capability)
     if fam.nope:
@@ -133,11 +137,16 @@ def _resolve_rope_init(fam, capability):
         reads_partial = _probe(capability, "whether partial_rotary_factor is read", default,
                                lambda b: "partial_rotary_factor" in b,
                                _NO_FACT if fam.reads_partial_rotary == PROBE_ONLY else fam.reads_partial_rotary)
+        dim_key = _probe(capability, "which config attribute gives the rotary width", default,
+                         lambda b: "qk_rope_head_dim" if _DIM_KEY.search(b) else "", "")
         key, impl = "rope_parameters", "compute_default_rope_parameters"
         source = f"{module.name}.{fam.rotary}.compute_default_rope_parameters"
         reason = f"{fam.rotary} has compute_default_rope_parameters (config.rope_parameters)"
+        if dim_key:
+            reason += f"; its rotary width is config.{dim_key}"
     else:
         key, impl, reads_partial, source, reason = transformers4.rope_init(fam, module.name)
+        dim_key = ""
 
     def default_section(body):
         match = _SECTION_DEFAULT.search(body)
@@ -148,7 +157,8 @@ def _resolve_rope_init(fam, capability):
                      _NO_FACT if declared == PROBE_ONLY else declared)
     if section:
         reason += f"; rotary module defaults mrope_section to {list(section)}"
-    plan = RopeInitPlan(config_key=key, reads_partial_rotary=reads_partial, default_mrope_section=section)
+    plan = RopeInitPlan(config_key=key, reads_partial_rotary=reads_partial, default_mrope_section=section,
+                        dim_key=dim_key)
     return Resolution(capability, impl, source, reason, str(_version.transformers_version()), plan,
                       (module.name, fam.rotary))
 
