@@ -750,7 +750,13 @@ def _count_syncs():
     return Count()
 
 
-@pytest.mark.parametrize("name", VISION)
+def _first_everywhere(names):
+    """The first name runs in every environment, the rest on the boundary releases (tox.ini): the property is the
+    package's structure, whose per-release paths the boundary environments cover."""
+    return [n if i == 0 else pytest.param(n, marks=BOUNDARY_ONLY) for i, n in enumerate(names)]
+
+
+@pytest.mark.parametrize("name", _first_everywhere(VISION))
 def test_vision_check_syncs_once_per_step(name):
     """A packed row with images: the vision-boundary check reads the boundaries on the device and syncs once per
     step, not once per sequence (a row of 2 sequences and one of 6 cause the same count)."""
@@ -769,7 +775,8 @@ def test_vision_check_syncs_once_per_step(name):
     assert counts[0] == counts[1], f"tfcompat's host syncs grow with the sequences of a VL row: {counts} for 2 and 6"
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", _first_everywhere([n for n in FAMILIES if not SPECS[n].vision]) +
+                         _first_everywhere(VISION))
 def test_per_layer_calls(name):
     """Per layer of a packed step, tfcompat's Python runs at most 12 function calls and no inspect call: the
     layers read their arguments, the step and what patch time bound (the rotation is prepared once per step).

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from _helpers import BOUNDARY_ONLY
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "tfcompat"
 
@@ -94,11 +96,13 @@ def test_vendored_copy_runs_a_family_check(tmp_path):
     assert "7 passed, 0 failed" in out.stdout
 
 
+@BOUNDARY_ONLY
 def test_vendored_copy_without_tools(tmp_path):
     """``tfcompat vendor --no-tools`` over an earlier full copy: the tools folder (and every module the earlier
     copy had that this one does not) is removed; the copy patches a model and trains a packed row exactly as
     the padded batch (a fresh interpreter that cannot import the original package), and ``python -m`` on it
-    says the tools were left out (exit 2) instead of a traceback."""
+    says the tools were left out (exit 2) instead of a traceback. Three interpreter starts: on the boundary
+    releases."""
     dest = tmp_path / "myproj" / "_vendor" / "tfcompat"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     for flags in ([], ["--no-tools"]):
