@@ -684,28 +684,6 @@ def test_no_per_layer_host_syncs(name):
     """Boundaries as cu_seq_lens_q + max_length_q: the host syncs that tfcompat's code causes in a packed forward
     (aten._local_scalar_dense, what .item()/.tolist()/int(tensor) dispatch; attributed by the innermost frame
     outside torch) happen once per step, not once per layer. Upstream's own (MoE routing) are not counted."""
-    import os
-    import sys
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    package = os.path.dirname(tfcompat.__file__) + os.sep
-    torch_dir = os.path.dirname(torch.__file__) + os.sep
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.syncs = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._local_scalar_dense.default:
-                frame = sys._getframe(1)
-                while frame is not None and frame.f_code.co_filename.startswith(torch_dir):
-                    frame = frame.f_back
-                if frame is not None and frame.f_code.co_filename.startswith(package):
-                    self.syncs += 1
-            return func(*args, **(kwargs or {}))
-
     ids, mask, _ = _batch(name, False)
     pk = pack(ids, mask, vision=SPECS[name].vision)
     counts = []
@@ -715,7 +693,7 @@ def test_no_per_layer_host_syncs(name):
             kw["layer_types"] = ["linear_attention", "full_attention"] * (layers // 2)
         model = tiny_model(name, **kw)
         tfcompat.patch(model)
-        with torch.no_grad(), Count() as count:
+        with torch.no_grad(), _count_syncs() as count:
             model(input_ids=pk.input_ids, position_ids=pk.position_ids, cu_seq_lens_q=pk.cu_seqlens,
                   max_length_q=pk.max_seqlen)
         counts.append(count.syncs)
