@@ -12,7 +12,7 @@ import pytest
 
 from tfcompat._tools.cli import main
 
-from _helpers import installed
+from _helpers import BOUNDARY_ONLY, installed
 
 DATA = pathlib.Path(__file__).resolve().parent / "data"
 CONFIGS = sorted((DATA / "configs").glob("*.json"))
@@ -133,3 +133,59 @@ def test_layouts_line_names_the_degrees_the_real_heads_allow(capsys):
         ran += 1
     if not ran:
         pytest.skip("this release has neither family (or reads their files otherwise)")
+
+
+@BOUNDARY_ONLY
+@pytest.mark.parametrize("stem", ["Qwen__Qwen3-8B", "Qwen__Qwen2.5-VL-7B-Instruct--saved-by-4.53.1"])
+def test_ulysses_times_context_over_spawned_ranks(stem, capsys):
+    """`check --config PATH --ulysses 2 --context 2`: the scaled model's packed step over 4 spawned gloo ranks on
+    one DeviceMesh (the VL row whole on every rank, with its images) equals the single-process padded model
+    (logits; gradients summed over the ranks). Breaking the step (patching without the context group) made this
+    check fail with max|diff| 1.25 on Qwen3."""
+    path = DATA / "configs" / f"{stem}.json"
+    if json.loads(path.read_text())["model_type"] not in installed():
+        pytest.skip("not in this release")
+    code, doc = _run(capsys, "--config", str(path), "--ulysses", "2", "--context", "2")
+    if "drift" in doc:
+        pytest.skip("this release reads the file otherwise (test_published_config_passes_every_check)")
+    layout = [r for r in doc["results"] if r["check"] == "layout.ulysses2.context2"]
+    assert code == 0 and len(layout) == 1 and layout[0]["passed"], layout
+    assert doc["changed"]["heads"]["to"] == ("8/2" if stem.endswith("8B") else "14/2"), doc["changed"]["heads"]
+
+
+def test_a_layout_the_real_heads_refuse_says_why(capsys, tmp_path):
+    """Degrees the real model cannot run: exit 2 before anything is spawned, naming the degrees it can."""
+    vl = DATA / "configs" / "Qwen__Qwen2.5-VL-7B-Instruct--saved-by-4.53.1.json"
+    hybrid = DATA / "configs" / "ArliAI__Qwen3.5-27B-Derestricted.json"
+    assert main(["check", "--ulysses", "2"]) == 2
+    assert "give --config PATH" in capsys.readouterr().err
+    assert main(["check", "--config", str(vl), "--context", "0"]) == 2
+    assert "at least 1" in capsys.readouterr().err
+    ran = 0
+    for path, argv, says in ((vl, ["--ulysses", "8"], "8 does not divide the 28 query heads"),
+                             (hybrid, ["--context", "2"], "linear-attention")):
+        if json.loads(path.read_text())["model_type"] not in installed():
+            continue
+        code = main(["check", "--config", str(path), *argv])
+        err = capsys.readouterr().err
+        if "builds another RoPE" in capsys.readouterr().out + err:
+            continue
+        assert code == 2 and says in err, err
+        ran += 1
+    if not ran:
+        pytest.skip("this release has neither family")
+
+
+def test_changed_settings_say_from_to_and_why(capsys):
+    """Only values carried over are "kept"; the scaled ones are `changed X -> Y (why)` (heads, layers, widths,
+    experts, vocabulary)."""
+    path = DATA / "configs" / "Qwen__Qwen1.5-MoE-A2.7B-Chat.json"
+    if "qwen2_moe" not in installed():
+        pytest.skip("not in this release")
+    assert main(["check", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "kept heads" not in out and "changed heads 16/16 -> 2/2 (query/kv heads, the ratio 1 kept)" in out, out
+    for line in ("changed num_experts 60 -> 8 (", "changed vocab_size 151936 -> 256 (",
+                 "changed num_hidden_layers 24 -> 2 ("):
+        assert line in out, out
+    assert "imports and loading" in out.splitlines()[0]

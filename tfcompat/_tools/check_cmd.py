@@ -17,6 +17,10 @@ def check(args):
     from .._probe import resolve as _resolve
     from . import checks as _checks
 
+    if (args.ulysses or args.context) and not args.config:
+        return _check_fail(args, "--ulysses/--context run a user's model scaled down: give --config PATH")
+    if any(n is not None and n < 1 for n in (args.ulysses, args.context)):
+        return _check_fail(args, "--ulysses and --context take a degree of at least 1")
     if args.device or args.plan or args.dtype:
         return _check_device(args)
     if args.config or args.model:
@@ -49,30 +53,48 @@ def _check_model(args):
     from . import checks as _checks
 
     path = args.model or args.config
+    began = time.perf_counter()
     try:
         loaded = _load_model(args, path)
     except Exception as exc:  # says why it cannot serve this model: exit 2, one line
         return _check_fail(args, f"{path}: {type(exc).__name__}: {exc}")
     if isinstance(loaded, int):
         return loaded  # the file's RoPE settings drift on this release: said, exit 2
-    fam, config, target, kept, how = loaded
+    fam, config, target, kept, changed, how = loaded
+    allowed = layouts(fam, config)
+    ulysses, context = args.ulysses or 1, args.context or 1
+    if ulysses * context > 1:
+        from .layout_check import refusal
+
+        why = refusal(allowed, ulysses, context)
+        if why:
+            return _check_fail(args, f"{path}: not Ulysses {ulysses} x context {context}: {why}")
     start = time.perf_counter()
+    loading = start - began  # imports (transformers, the family's modules), reading and scaling: not the checks
     results = list(_checks.run_family(fam.name, tolerance=args.tolerance, **target))
+    if ulysses * context > 1:
+        from . import layout_check
+
+        results.append(layout_check.run(fam.name, target["config"], ulysses, context, args.tolerance))
     if "config" in target and any(r["error"] for r in results):
         try:  # checks that raised: where upstream itself cannot run the config, say that (exit 2), not "N failed"
             _upstream_runs(fam.name, target["config"])
         except TfcompatError as exc:
             return _check_fail(args, f"{path}: {exc}")
-    allowed = layouts(fam, config)
     if not args.json:
-        print(f"{fam.name} ({type(config).__name__}, transformers {_dist_version('transformers')}): {how}")
+        print(f"{fam.name} ({type(config).__name__}, transformers {_dist_version('transformers')}): {how} "
+              f"(imports and loading {loading:.1f}s)")
         for key, value in kept.items():
             print(f"  kept {key} = {value}")
+        for key, (theirs, ours, why) in changed.items():
+            print(f"  changed {key} {theirs} -> {ours} ({why})")
         print(f"  layouts: {allowed['line']}")
         for result in results:
             print(_check_line(result, len(fam.name)), flush=True)
-    return _finish(args, results, start, {"families": [fam.name], "source": path, "layouts": allowed,
-                                          "kept": {k: str(v) for k, v in kept.items()}}, path)
+    fields = {"families": [fam.name], "source": path, "layouts": allowed, "load_seconds": round(loading, 3),
+              "kept": {k: str(v) for k, v in kept.items()},
+              "changed": {k: {"from": str(a), "to": str(b), "why": why} for k, (a, b, why) in changed.items()}}
+    return _finish(args, results, start, fields, path)
 
 
 def layouts(fam, config):
@@ -87,19 +109,19 @@ def layouts(fam, config):
     kv = int(getattr(text, "num_key_value_heads", None) or heads)
     if _resolve.resolve("attention.signature", fam.name).plan.linear_attention:
         why = "linear-attention (Gated DeltaNet) layers carry a recurrent state along the sequence"
-        return {"ulysses": [1], "kv_repeated": [], "context": False,
+        return {"ulysses": [1], "kv_repeated": [], "context": False, "query_heads": heads, "kv_heads": kv,
                 "line": f"no sequence parallelism: {why} (tfcompat.patch refuses ulysses_group and context_group)"}
     degrees = [d for d in range(1, heads + 1) if heads % d == 0]
     repeated = [d for d in degrees if kv % d]
     line = f"Ulysses degrees {', '.join(map(str, degrees))} ({heads} query heads"
     line += f"; {kv} kv heads repeated for {', '.join(map(str, repeated))})" if repeated else f", {kv} kv heads)"
-    return {"ulysses": degrees, "kv_repeated": repeated, "context": True,
+    return {"ulysses": degrees, "kv_repeated": repeated, "context": True, "query_heads": heads, "kv_heads": kv,
             "line": line + "; context parallel: any degree, also beside Ulysses"}
 
 
 def _load_model(args, path):
-    """(family, config, what to check, settings kept, how) for ``--config``/``--model``; an exit status where
-    the file's RoPE settings drift on this release. Raises where the file cannot be served."""
+    """(family, config, what to check, settings kept, settings changed, how) for ``--config``/``--model``; an exit
+    status where the file's RoPE settings drift on this release. Raises where the file cannot be served."""
     from .. import version
     from .._probe import resolve as _resolve
     from .._probe.drift import compare, load_config, raw_of
@@ -116,6 +138,7 @@ def _load_model(args, path):
         raise TfcompatError(f"transformers {_dist_version('transformers')} does not ship {fam.name} (first "
                             f"shipped in transformers {fam.since}); install transformers>={fam.since} to "
                             f"load this checkpoint")
+    _quiet_transformers()  # its log lines on the file's keys: the drift comparison below says what they mean
     config = load_config(path)
     fam = family(config)
     if fam.name not in _resolve.installed_families():
@@ -131,9 +154,12 @@ def _load_model(args, path):
         from ..testing import model_class
 
         model = model_class(fam.name).from_pretrained(path, torch_dtype=torch.float32, local_files_only=True)
-        return fam, config, {"model": model}, {}, f"{path}: its own weights (fp32)"
-    scaled, kept = scaled_config(config)
-    return fam, config, {"config": scaled}, kept, f"{path}: scaled down"
+        return fam, config, {"model": model}, {}, {}, f"{path}: its own weights (fp32)"
+    from ..testing import model_class
+
+    model_class(fam.name)  # the modeling modules imported here, not inside the first check's time
+    scaled, kept, changed = scaled_config(config, ulysses=getattr(args, "ulysses", None) or 1)
+    return fam, config, {"config": scaled}, kept, changed, f"{path}: scaled down"
 
 
 def _finish(args, results, start, fields, label):

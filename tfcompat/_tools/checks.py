@@ -122,15 +122,16 @@ def _model(name, config):
     return model_class(name)(config).float().eval()
 
 
-def _packed_vs_padded(name, config=None, model=None, device=None):
-    """Patched model on a packed batch vs the unpatched model on the padded batch: logits and grads (on
-    ``device``: the model and every input moved there, the inputs drawn on the CPU as everywhere)."""
+def _padded_reference(name, config=None, model=None, device=None):
+    """The unpatched model on a padded batch (two rows, one longer than any window; images for VL families):
+    ``(model, mask, reference logits, the loss weights, reference gradients, the packed row, its forward kwargs)``;
+    the model's gradients zeroed after. On ``device``: the model and every input moved there, the inputs drawn on
+    the CPU as everywhere."""
     import torch
 
     from .._probe.families import family
-    from .._step import patch as _patch
     from ..embeds import rope_index
-    from ..packing import pack, unpack
+    from ..packing import pack
     from ..testing import padded_batch, tiny_pixels, tiny_sequence
 
     # a model with its own weights (--model): text rows (the tiny rows' image ids are not its image ids)
@@ -155,28 +156,42 @@ def _packed_vs_padded(name, config=None, model=None, device=None):
     grid = pixels.get("image_grid_thw")
     pos = rope_index(model, ids, image_grid_thw=grid, attention_mask=mask)[0] if vision else None
     pk = pack(ids, mask, pos, vision=vision)
+    return model, mask, ref.detach(), weights, ref_grads, pk, _forward_kwargs(model, pk.input_ids, pixels)
+
+
+def _difference(logits, ref, mask, grads, ref_grads):
+    """The largest difference of the valid logits and of every gradient, each relative to its magnitude (at
+    least 1); ``grads``: name -> gradient (None: none)."""
+    valid = mask.bool()
+    diff = (logits[valid] - ref[valid]).abs().max().item() / max(1.0, ref.abs().max().item())
+    for n, grad in grads.items():
+        if (grad is None) != (n not in ref_grads):
+            # an expert only padding tokens were routed to gets an exact zero gradient in the padded run
+            # and none in the packed one; anything else present in one run only is a real difference
+            present = grad if grad is not None else ref_grads[n]
+            if bool(present.count_nonzero()):
+                raise AssertionError(f"{n}: a nonzero gradient in one run only")
+            continue
+        if grad is not None:
+            scale = max(1.0, ref_grads[n].abs().max().item())
+            diff = max(diff, (grad - ref_grads[n]).abs().max().item() / scale)
+    return diff
+
+
+def _packed_vs_padded(name, config=None, model=None, device=None):
+    """Patched model on a packed batch vs the unpatched model on the padded batch: logits and grads."""
+    from .._step import patch as _patch
+    from ..packing import unpack
+
+    model, mask, ref, weights, ref_grads, pk, kw = _padded_reference(name, config, model, device)
     _patch.patch(model)
     try:
-        out = model(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False,
-                    **_forward_kwargs(model, pk.input_ids, pixels)).logits
+        out = model(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False, **kw).logits
         logits = unpack(out, pk)
         (logits * weights * mask[..., None]).sum().backward()
     finally:
         _patch.unpatch(model)
-    valid = mask.bool()
-    diff = (logits[valid] - ref[valid]).abs().max().item() / max(1.0, ref.abs().max().item())
-    for n, p in model.named_parameters():
-        if (p.grad is None) != (n not in ref_grads):
-            # an expert only padding tokens were routed to gets an exact zero gradient in the padded run
-            # and none in the packed one; anything else present in one run only is a real difference
-            present = p.grad if p.grad is not None else ref_grads[n]
-            if bool(present.count_nonzero()):
-                raise AssertionError(f"{n}: a nonzero gradient in one run only")
-            continue
-        if p.grad is not None:
-            scale = max(1.0, ref_grads[n].abs().max().item())
-            diff = max(diff, (p.grad - ref_grads[n]).abs().max().item() / scale)
-    return diff
+    return _difference(logits.detach(), ref, mask, {n: p.grad for n, p in model.named_parameters()}, ref_grads)
 
 
 def _embeds_vs_model(name, images, config=None):

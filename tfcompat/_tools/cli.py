@@ -113,6 +113,10 @@ def build_parser():
                         "that decides RoPE and attention")
     p.add_argument("--model", metavar="PATH",
                    help="check a local checkpoint folder with its own weights (fp32 on CPU: small models)")
+    p.add_argument("--ulysses", type=int, metavar="N", help="with --config: also run the packed step over N Ulysses "
+                   "ranks (spawned, gloo) against the single-process padded model")
+    p.add_argument("--context", type=int, metavar="M", help="with --config: ... over M context-parallel ranks "
+                   "(with --ulysses: N x M ranks on one DeviceMesh)")
     p.add_argument("--device", metavar="DEV", help="run the checks on this device (cuda, cuda:1, cpu) with the "
                                                    "kernels auto picks there; exit 2 where it is not visible")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="with --device: the dtype (default bf16 on "

@@ -81,8 +81,56 @@ def _fewer_experts(text, kept, layers):
     return out
 
 
-def scaled_config(config: Any) -> tuple[Any, dict]:
-    """``(tiny config of the same family, what was kept)`` for a loaded config."""
+def _small_kv(kv: int, ratio: int, ulysses: int) -> int:
+    """The scaled model's key/value heads (its query heads: that times ``ratio``, the real ratio). Alone: 1 or 2.
+    For a Ulysses degree N, the facts that decide how heads split over N ranks are kept: N divides the kv heads
+    (then N kv heads: each rank one), or it does not (then the real kv count, repeated as the real model's is);
+    the query heads, kv times the real ratio, are then divisible by N exactly when the real ones are."""
+    if ulysses <= 1:
+        return 1 if ratio >= 4 else 2
+    return ulysses if kv % ulysses == 0 else kv
+
+
+def _why(key: str) -> str | None:
+    """Why a setting of the user's config was changed in the scaled model (None: a key not reported)."""
+    if key in ("num_experts", "n_routed_experts", "num_local_experts"):
+        return "at least 4 experts and twice top-k: the routing settings kept"
+    if key == "num_hidden_layers":
+        return "a prefix of the stack holding every kind of layer"
+    if key in ("layer_types", "mlp_only_layers"):
+        return "the entries of the layers kept"
+    if key == "sliding_window":
+        return "a window of 4 tokens on longer sequences: which layers window is kept"
+    if key == "vocab_size":
+        return "256 tokens, the special and image ids renumbered into them: ids decide no RoPE or attention number"
+    if key == "hidden_size":
+        return "query heads x head_dim"
+    if key.endswith(("_size", "_dim", "_rank", "_heads")) or "intermediate" in key:
+        return "a width: decides no RoPE or attention number"
+    return None
+
+
+def _changed(text: Any, small: Any, kept: dict) -> dict:
+    """Every setting of the user's text config the scaled one sets otherwise: ``{key: (theirs, ours, why)}``."""
+    out = {}
+    for key, theirs in vars(text).items():
+        ours = getattr(small, key, None)
+        why = _why(key)
+        if key in kept and key not in ("sliding_window", "layer_types") or why is None or ours == theirs:
+            continue
+        if not theirs and not ours:
+            continue  # [] and None: the same nothing
+        if isinstance(theirs, (int, list)) and not isinstance(theirs, bool) and theirs is not None:
+            if isinstance(theirs, list) and len(theirs) > 8:
+                theirs = f"[{len(theirs)} entries]"
+            out[key] = (theirs, ours, why)
+    return out
+
+
+def scaled_config(config: Any, ulysses: int = 1) -> tuple[Any, dict, dict]:
+    """``(tiny config of the same family, the settings kept, the settings changed)`` for a loaded config; the
+    changed ones as ``{key: (the config's value, the scaled value, why)}``. ``ulysses``: keep the facts that decide
+    how the heads split over that many Ulysses ranks (``check --ulysses N``)."""
     from .._probe.families import family
     from ..config import text_config
     from ..testing import tiny_config
@@ -96,7 +144,7 @@ def scaled_config(config: Any) -> tuple[Any, dict]:
         raise ConfigError(f"tfcompat check: {heads} attention heads do not divide into {kv} key/value heads")
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     ratio = heads // kv
-    small_kv = 1 if ratio >= 4 else 2
+    small_kv = _small_kv(kv, ratio, ulysses)
     kept: dict[str, Any] = {k: getattr(text, k) for k in KEPT if k in vars(text) and getattr(text, k) is not None}
     layers = _layer_count(text)
     overrides = dict(kept, num_attention_heads=small_kv * ratio, num_key_value_heads=small_kv,
@@ -128,8 +176,26 @@ def scaled_config(config: Any) -> tuple[Any, dict]:
     if differ:
         raise ConfigError(f"tfcompat check: the scaled-down {fam.name} model would compute RoPE differently "
                           f"({', '.join(f'{k}: {want[k]} -> {got[k]}' for k in differ)}); nothing was checked")
-    shown = {k: v for k, v in overrides.items() if k in KEPT or k in ("layer_types",)}
+    return scaled, *_report(text, scaled, kept, overrides, (heads, kv, small_kv, ratio, ulysses))
+
+
+def _report(text, scaled, kept, overrides, heads_facts):
+    """``(the settings kept, the settings changed)`` of a scaled config, as ``check --config`` prints them."""
+    from ..config import text_config
+
+    heads, kv, small_kv, ratio, ulysses = heads_facts
+    shown = {k: v for k, v in overrides.items() if k in KEPT and k not in ("sliding_window",)}
+    if "sliding_window" in kept and overrides.get("sliding_window") == kept["sliding_window"]:
+        shown["sliding_window"] = kept["sliding_window"]
     if "vision_config" in overrides:
         shown["vision.spatial_merge_size"] = overrides["vision_config"]["spatial_merge_size"]
-    shown.update(heads=f"{heads}/{kv} -> {small_kv * ratio}/{small_kv}", layers=f"{text.num_hidden_layers} -> {layers}")
-    return scaled, shown
+    changed = _changed(text, text_config(scaled), kept)
+    changed.pop("num_attention_heads", None)
+    changed.pop("num_key_value_heads", None)
+    if (small_kv * ratio, small_kv) == (heads, kv):
+        shown["heads"] = f"{heads}/{kv}"
+    else:
+        changed = {"heads": (f"{heads}/{kv}", f"{small_kv * ratio}/{small_kv}", f"query/kv heads, the ratio {ratio} "
+                             "kept" + (f" and how they split over {ulysses} Ulysses ranks" if ulysses > 1 else "")),
+                   **changed}
+    return shown, changed

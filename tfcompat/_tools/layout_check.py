@@ -1,0 +1,132 @@
+"""``tfcompat check --config PATH --ulysses N --context M``: the packed step of the scaled model over N x M spawned
+gloo ranks (Ulysses over N, context parallelism over M, both on one ``DeviceMesh``) against the single-process
+unpatched model on the padded batch: gathered logits and every gradient summed over the ranks.
+
+The ranks rendezvous through a file in a temporary folder (no port) and each writes its outcome there; a rank
+that does not finish in time is killed and the check fails saying so (never a hang).
+"""
+
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+
+from ..errors import ConfigError
+
+
+def refusal(allowed, ulysses, context):
+    """Why the real model cannot run this layout (None: it can): the facts ``tfcompat.patch`` refuses on."""
+    if not allowed["context"]:
+        return allowed["line"]
+    if ulysses not in allowed["ulysses"]:
+        return (f"Ulysses over {ulysses} ranks splits the attention heads, and {ulysses} does not divide the "
+                f"{allowed['query_heads']} query heads (Ulysses degrees {', '.join(map(str, allowed['ulysses']))}; "
+                f"context parallelism takes any degree)")
+    return None
+
+
+def _groups(ulysses, context):
+    import torch.distributed as dist
+
+    if ulysses > 1 and context > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (context, ulysses), mesh_dim_names=("cp", "sp"))
+        return {"group": mesh["sp"].get_group(), "context_group": mesh["cp"].get_group()}
+    if ulysses > 1:
+        return {"group": dist.group.WORLD}
+    return {"context_group": dist.group.WORLD}
+
+
+def _rank_step(name, config, ulysses, context):
+    """One rank: the reference (every rank builds it: the same seed, the same numbers), then the patched model on
+    this rank's share of the packed row; the largest relative difference (logits; gradients summed over ranks)."""
+    import torch.distributed as dist
+
+    from .._probe.families import family
+    from .._step import patch as _patch
+    from ..packing import unpack
+    from ..ulysses import gather_from_ranks, slice_for_rank
+    from .checks import _difference, _model, _padded_reference
+
+    _, mask, ref, weights, ref_grads, pk, kw = _padded_reference(name, config)
+    groups = _groups(ulysses, context)
+    vision = family(name).vision
+    model = _model(name, config).train()
+    _patch.patch(model, ulysses_group=groups.get("group"), context_group=groups.get("context_group"),
+                 slice_inputs=vision)
+    if vision:  # the whole row on every rank (images are embedded whole); the model keeps its share
+        local = model(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False, **kw).logits
+    else:
+        dim = pk.position_ids.dim() - 1
+        local = model(input_ids=slice_for_rank(pk.input_ids, dim=1, **groups),
+                      position_ids=slice_for_rank(pk.position_ids, dim=dim, **groups), use_cache=False).logits
+    logits = unpack(gather_from_ranks(local, dim=1, length=pk.input_ids.shape[1], **groups), pk)
+    (logits * weights * mask[..., None]).sum().backward()
+    grads = {}
+    for n, p in model.named_parameters():
+        grad = p.grad.clone() if p.grad is not None else p.new_zeros(p.shape)
+        dist.all_reduce(grad)
+        grads[n] = grad if (p.grad is not None or n in ref_grads) else None
+    return _difference(logits.detach(), ref, mask, grads, ref_grads)
+
+
+def _entry(rank, world, init, folder, name, config, ulysses, context):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    outcome = {"rank": rank}
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        outcome["diff"] = _rank_step(name, config, ulysses, context)
+        dist.barrier()
+    except Exception as exc:  # said by the parent as the check's error
+        outcome["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
+        json.dump(outcome, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # gloo's threads can abort the interpreter's teardown; the outcome is written
+
+
+def run(name, config, ulysses, context, tolerance=None, timeout=600.0):
+    """The check's result dict (as :mod:`.checks` makes them) of the packed step over ``ulysses x context``
+    spawned gloo ranks."""
+    import torch.multiprocessing as mp
+
+    from ..testing import MODEL_RTOL
+
+    world = ulysses * context
+    if world < 2:
+        raise ConfigError("tfcompat check: --ulysses N and --context M run over N x M ranks: at least 2")
+    check = f"layout.ulysses{ulysses}.context{context}"
+    tol = tolerance if tolerance is not None else MODEL_RTOL
+    folder = tempfile.mkdtemp(prefix="tfcompat-layout-")
+    start = time.perf_counter()
+    ctx = mp.start_processes(_entry, args=(world, "file://" + os.path.join(folder, "rendezvous"), folder, name,
+                                           config, ulysses, context),
+                             nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    error = None
+    while not ctx.join(timeout=2):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            error = f"the {world} ranks did not finish in {timeout:.0f}s (killed)"
+            break
+    outcomes = []
+    for rank in range(world):
+        try:
+            with open(os.path.join(folder, f"rank{rank}.json")) as f:
+                outcomes.append(json.load(f))
+        except OSError:
+            outcomes.append({"rank": rank, "error": error or "the rank wrote no outcome (it died)"})
+    errors = [f"rank {o['rank']}: {o['error']}" for o in outcomes if "error" in o]
+    diff = max((o["diff"] for o in outcomes if "diff" in o), default=float("nan"))
+    return {"family": name, "check": check, "compares": "fwd+bwd", "max_abs_diff": diff, "tolerance": tol,
+            "passed": not errors and diff <= tol, "skipped": None,
+            "seconds": round(time.perf_counter() - start, 4), "error": "; ".join(errors[:2]) or None}
