@@ -118,8 +118,8 @@ def _changed(text: Any, small: Any, kept: dict) -> dict:
         why = _why(key)
         if key in kept and key not in ("sliding_window", "layer_types") or why is None or ours == theirs:
             continue
-        if not theirs and not ours:
-            continue  # [] and None: the same nothing
+        if ours is None:
+            continue  # a key the scaled config does not carry (an unused setting the file keeps): not scaled
         if isinstance(theirs, (int, list)) and not isinstance(theirs, bool) and theirs is not None:
             if isinstance(theirs, list) and len(theirs) > 8:
                 theirs = f"[{len(theirs)} entries]"
