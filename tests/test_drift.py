@@ -111,3 +111,46 @@ def test_vl_drift_sections_and_nested_text_config(folder):
             model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
     else:
         assert keys == set(), keys
+
+
+def _windowed_layers(folder):
+    """The layers this release's own model (built from the file as it loads it, eager attention) windows: the
+    last query of an 8-token row sees fewer than every key."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    ids = torch.arange(3, 11).view(1, -1)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), output_attentions=True, use_cache=False)
+    return {i for i, a in enumerate(out.attentions) if int((a[0, :, -1, :].abs().amax(0) > 0).sum()) < ids.shape[1]}
+
+
+def test_sliding_window_drift_names_the_layers_this_release_windows(capsys):
+    """A Qwen2 saved by 5.24 with a window of 4 on layer 1 only (`layer_types`): 4.51/4.52 window every layer
+    (one mask for all); the record says so exactly where this release's own model (not the probe's tiny copy)
+    windows other layers than the file, and `check --config` exits 2 naming it."""
+    from tfcompat._tools.cli import main
+
+    folder = os.path.join(os.path.dirname(__file__), "data", "checkpoints", "windows-qwen2-layer1--saved-by-5.24.0")
+    windowed = _windowed_layers(folder)
+    records = [r for r in drift(folder) if r.key == "sliding_window"]
+    if windowed == {1}:
+        assert not records, [r.line() for r in records]
+        return
+    assert len(records) == 1 and records[0].in_file == "4 on layers [1]", [r.line() for r in records]
+    assert records[0].built == ("4 on all 2 layers" if windowed == {0, 1} else f"4 on layers {sorted(windowed)}")
+    assert main(["check", "--config", folder]) == 2
+    assert "sliding_window: '4 on layers [1]'" in capsys.readouterr().out
+
+
+def test_a_window_no_shorter_than_every_position_is_no_drift():
+    """Qwen2.5's files set `use_sliding_window: false` beside a window: a window no shorter than the model's
+    longest position changes no number, whatever a release does with it; a shorter one on a release that
+    windows anyway would be named (the case above)."""
+    raw = json.load(open(os.path.join(os.path.dirname(__file__), "data", "configs", "Qwen__Qwen2.5-3B-Instruct.json")))
+    assert raw["use_sliding_window"] is False and raw["sliding_window"] >= raw["max_position_embeddings"]
+    assert not [r for r in drift(os.path.join(os.path.dirname(__file__), "data", "configs",
+                                              "Qwen__Qwen2.5-3B-Instruct.json")) if r.key == "sliding_window"]

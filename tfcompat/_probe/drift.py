@@ -196,6 +196,7 @@ def compare(raw: dict, config: Any) -> list:
                          f"transformers {raw.get('transformers_version', 'unknown')}); the model would train "
                          f"with theta {got['rope_theta']:g}"))
     out += _shape_drift(raw, config, want, got, release)
+    out += _window_drift(raw, config, release)
     factor = want["partial_rotary_factor"]
     if isinstance(factor, (int, float)) and not isinstance(factor, bool) and got["head_dim"]:
         meant = int(got["head_dim"] * float(factor))
@@ -235,6 +236,60 @@ def _shape_drift(raw, config, want, got, release):
                                  f"transformers {release}'s flat config keeps text_config as a dict; its model "
                                  f"reads the top-level {key}"))
     return out
+
+
+def _window_intent(raw):
+    """``(window, the layers the file windows)`` where the file says it unambiguously: ``layer_types`` for every
+    layer, or ``use_sliding_window: false`` (no layer); None where it says nothing (no window, or the meaning of
+    ``max_window_layers`` alone, which families number differently)."""
+    text = _text_part(raw)
+
+    def get(key):
+        return text.get(key, raw.get(key))
+
+    window, layers = get("sliding_window"), get("num_hidden_layers")
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0 or not isinstance(layers, int):
+        return None
+    types = get("layer_types")
+    if isinstance(types, list) and len(types) == layers:
+        return window, frozenset(i for i, t in enumerate(types) if t == "sliding_attention")
+    if get("use_sliding_window") is False:
+        return window, frozenset()
+    return None
+
+
+def _layers(windowed, total):
+    if not windowed:
+        return "no layer"
+    if len(windowed) == total:
+        return f"all {total} layers"
+    return f"layers {sorted(windowed)}"
+
+
+def _window_drift(raw, config, release):
+    """The layers the file windows against the layers this release's model windows (its own eager attention
+    on a tiny copy with these settings: ``window._probe``), where the window is shorter than the model's longest
+    position (a window no shorter than every row changes nothing)."""
+    from .families import family
+    from .window import _KEYS, _freeze, _probe
+
+    intent = _window_intent(raw)
+    text = text_config(config)
+    longest = getattr(text, "max_position_embeddings", None)
+    if intent is None or (isinstance(longest, int) and intent[0] >= longest):
+        return []
+    window, meant = intent
+    total = int(text.num_hidden_layers)
+    built: frozenset = frozenset()
+    if getattr(text, "sliding_window", None):
+        settings = {k: _freeze(getattr(text, k, None)) for k in _KEYS}
+        built = frozenset(i for i, extra in _probe(family(config), settings).items() if extra is not None)
+    if built == meant:
+        return []
+    return [Drift("sliding_window", f"{window} on {_layers(meant, total)}", f"{window} on {_layers(built, total)}",
+                  f"transformers {release}'s attention windows other layers than the file sets (its own eager "
+                  f"attention on a tiny copy with these settings); sequences longer than {window} tokens would "
+                  f"train with another attention")]
 
 
 def _release():
