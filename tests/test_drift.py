@@ -154,3 +154,28 @@ def test_a_window_no_shorter_than_every_position_is_no_drift():
     assert raw["use_sliding_window"] is False and raw["sliding_window"] >= raw["max_position_embeddings"]
     assert not [r for r in drift(os.path.join(os.path.dirname(__file__), "data", "configs",
                                               "Qwen__Qwen2.5-3B-Instruct.json")) if r.key == "sliding_window"]
+
+
+@pytest.mark.parametrize("name,interleaved", [("qwen3_vl", False), ("qwen3_vl", True), ("qwen2_vl", True),
+                                              ("qwen2_vl", False)])
+def test_mrope_interleaved_the_release_does_not_follow(name, interleaved, tmp_path):
+    """`mrope_interleaved` in a file: Qwen3-VL folds its sections interleaved and Qwen2-VL in contiguous T/H/W
+    blocks in every release that ships them, whatever the key says; a file saying otherwise is named."""
+    from tfcompat.testing import tiny_config
+
+    from _helpers import installed
+
+    if name not in installed():
+        pytest.skip("not in this release")
+    tiny_config(name).save_pretrained(tmp_path)
+    raw = json.load(open(tmp_path / "config.json"))
+    text = raw.get("text_config", raw)
+    key = "rope_parameters" if isinstance(text.get("rope_parameters"), dict) else "rope_scaling"
+    text.setdefault(key, {"rope_type": "default", "mrope_section": [2, 1, 1]})
+    (text[key] if isinstance(text.get(key), dict) else text)["mrope_interleaved"] = interleaved
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    records = [r for r in drift(str(tmp_path)) if r.key == "mrope_interleaved"]
+    if interleaved == (name == "qwen3_vl"):
+        assert not records, [r.line() for r in records]
+    else:
+        assert len(records) == 1 and records[0].in_file is interleaved and records[0].built is (not interleaved)

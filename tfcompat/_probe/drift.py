@@ -131,7 +131,8 @@ def _intent(raw):
     factor = rope.get("partial_rotary_factor", get("partial_rotary_factor"))
     section = rope.get("mrope_section")
     return {"rope_theta": theta, "rope_type": kind, "partial_rotary_factor": factor, "head_dim": get("head_dim"),
-            "mrope_section": tuple(section) if isinstance(section, (list, tuple)) else None}
+            "mrope_section": tuple(section) if isinstance(section, (list, tuple)) else None,
+            "mrope_interleaved": rope.get("mrope_interleaved", get("mrope_interleaved"))}
 
 
 def _built(config):
@@ -228,6 +229,7 @@ def _shape_drift(raw, config, want, got, release):
         out.append(Drift("mrope_section", list(section), None if built is None else list(built),
                          f"transformers {release} reads the sections from a key this file does not set"
                          + (" (its attention cannot fold cos/sin without them)" if built is None else "")))
+    out += _interleave_drift(config, want["mrope_interleaved"], release)
     nested = config.__dict__.get("text_config")
     if isinstance(nested, dict):
         for key in _NESTED:
@@ -236,6 +238,22 @@ def _shape_drift(raw, config, want, got, release):
                                  f"transformers {release}'s flat config keeps text_config as a dict; its model "
                                  f"reads the top-level {key}"))
     return out
+
+
+def _interleave_drift(config, interleaved, release):
+    """``mrope_interleaved`` set in the file against how this release's attention folds the sections (the
+    rope.apply resolution, read from its source): releases fold one way per family whatever the key says."""
+    from . import resolve as _resolve
+    from .families import family
+
+    fam = family(config)
+    if not isinstance(interleaved, bool) or fam.mrope == "none":
+        return []
+    folds = _resolve.resolve("rope.apply", fam.name).plan.mrope
+    if interleaved == (folds == "interleaved"):
+        return []
+    return [Drift("mrope_interleaved", interleaved, folds == "interleaved",
+                  f"transformers {release} folds {fam.name}'s mRoPE sections {folds} whatever the file sets")]
 
 
 def _window_intent(raw):
