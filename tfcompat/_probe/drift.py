@@ -16,6 +16,7 @@ import tempfile
 from typing import Any
 
 from ..errors import ConfigError, TfcompatError
+from .families import text_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,20 +54,6 @@ def load_config(path: str) -> Any:
         return AutoConfig.from_pretrained(folder, local_files_only=True)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def text_config(config: Any) -> Any:
-    """The text config of a vision-language config, or ``config`` itself for text models.
-
-    Flat Qwen2-VL configs (transformers < 4.52) have no ``text_config`` and are returned as is, and so are
-    flat configs that carry a newer checkpoint's ``text_config`` as a plain dict (a config saved by 4.53 and
-    loaded by 4.51: the release's model reads the flat keys and ignores the dict).
-    """
-    sub = config.__dict__.get("text_config", None)
-    if sub is None:
-        getter = getattr(config, "get_text_config", None)
-        sub = getter() if callable(getter) else None
-    return config if sub is None or isinstance(sub, dict) else sub
 
 
 def rope_dict(cfg, key):

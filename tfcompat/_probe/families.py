@@ -242,6 +242,20 @@ FAMILIES = {
 _ALIASES = {alias: f.name for f in FAMILIES.values() for alias in (f.name,) + f.aliases}
 
 
+def text_config(config):
+    """The text config of a vision-language config, or ``config`` itself for text models.
+
+    Flat Qwen2-VL configs (transformers < 4.52) have no ``text_config`` and are returned as is, and so are
+    flat configs that carry a newer checkpoint's ``text_config`` as a plain dict (a config saved by 4.53 and
+    loaded by 4.51: the release's model reads the flat keys and ignores the dict).
+    """
+    sub = config.__dict__.get("text_config", None)
+    if sub is None:
+        getter = getattr(config, "get_text_config", None)
+        sub = getter() if callable(getter) else None
+    return config if sub is None or isinstance(sub, dict) else sub
+
+
 def family(name_or_config):
     """The :class:`Family` for a model_type string or a (top-level or text) config."""
     # getattr, not isinstance(config, str): torch.compile before 2.8 cannot trace isinstance on a config

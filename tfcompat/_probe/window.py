@@ -84,7 +84,7 @@ def _probe(fam, settings) -> dict:
     module = _resolve.resolve("attention.signature", fam.name).target
     try:
         config = tiny_config(fam.name, **overrides)
-        from .drift import text_config
+        from .families import text_config
 
         tc = text_config(config)
         tc._attn_implementation = "eager"
