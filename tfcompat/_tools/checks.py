@@ -111,15 +111,24 @@ def _forward_kwargs(model, ids, pixels):
     return kw
 
 
+_BUILT: list = []  # the last (family, config, untouched model): a scaled user model is built once per run
+
+
 def _model(name, config):
+    """A fresh model of ``config`` (None: the family's tiny one): seeded weights, fp32, eval. A scaled user config
+    is built (weight init: seconds for the widest) once and deep-copied for every later check of the run."""
+    import copy
+
     import torch
 
     from ..testing import model_class, tiny_model
 
     if config is None:
         return tiny_model(name)
-    torch.manual_seed(0)
-    return model_class(name)(config).float().eval()
+    if not (_BUILT and _BUILT[0] == name and _BUILT[1] is config):
+        torch.manual_seed(0)
+        _BUILT[:] = [name, config, model_class(name)(config).float().eval()]
+    return copy.deepcopy(_BUILT[2])
 
 
 def _padded_reference(name, config=None, model=None, device=None):
