@@ -179,3 +179,77 @@ def test_mrope_interleaved_the_release_does_not_follow(name, interleaved, tmp_pa
         assert not records, [r.line() for r in records]
     else:
         assert len(records) == 1 and records[0].in_file is interleaved and records[0].built is (not interleaved)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen2_moe", "qwen2_vl"])
+def test_head_dim_drift_against_the_attention_upstream_builds(name, tmp_path):
+    """A file whose head_dim is twice hidden_size // heads: named exactly where this release's own model builds
+    other heads (Qwen2-MoE on 4.51, Qwen2-VL up to 5.0 read no head_dim); where it cannot build the attention at
+    all (Qwen2-MoE on 4.57 raises), the one "itself cannot run" error."""
+    from transformers import AutoConfig
+
+    from tfcompat._probe.families import family
+    from tfcompat.errors import TfcompatError
+    from tfcompat.testing import model_class, tiny_config
+
+    from _helpers import installed
+
+    if name not in installed():
+        pytest.skip("not in this release")
+    tiny_config(name).save_pretrained(tmp_path)
+    raw = json.load(open(tmp_path / "config.json"))
+    text = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
+    text["head_dim"] = 2 * text["hidden_size"] // text["num_attention_heads"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    config = AutoConfig.from_pretrained(tmp_path, local_files_only=True)
+    try:
+        model = model_class(name)(config)
+    except ValueError:
+        with pytest.raises(TfcompatError, match="itself cannot run this config"):
+            drift(str(tmp_path))
+        return
+    from tfcompat._probe import resolve
+
+    cls = getattr(resolve.resolve("attention.signature", name).target, family(name).attention)
+    attention = next(m for m in model.modules() if isinstance(m, cls))  # 4.51: its sdpa subclass
+    heads = getattr(config, "text_config", config).num_attention_heads
+    built = attention.q_proj.out_features // heads
+    records = [r for r in drift(str(tmp_path)) if r.key == "head_dim"]
+    assert len(records) == (built != text["head_dim"]), [r.line() for r in records]
+    if records:
+        assert (records[0].in_file, records[0].built) == (text["head_dim"], built)
+
+
+@pytest.mark.parametrize("edit", ["partial_rotary_factor", "string_theta"])
+def test_width_and_type_drift_against_what_upstream_builds(edit, tmp_path):
+    """A Qwen2 file (saved by this release) edited as another release or a hand might write it: a partial rotary
+    factor (Qwen2's attention rotates q/k whole; 5.x's rotary module ignores the factor, 4.x's builds it), theta
+    as a string. The record is there exactly where this release's own rotary module builds otherwise (oracle:
+    its width), and a string theta is always named (or upstream's refusal to build it said)."""
+    from transformers import AutoConfig
+
+    from tfcompat.testing import model_class, tiny_config
+
+    tiny_config("qwen2").save_pretrained(tmp_path)
+    raw = json.load(open(tmp_path / "config.json"))
+    rope = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else raw
+    if edit == "partial_rotary_factor":
+        rope["partial_rotary_factor"] = 0.5
+        raw["partial_rotary_factor"] = 0.5
+    else:
+        rope["rope_theta"] = "1000000.0"
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    if edit == "string_theta":
+        try:
+            records = drift(str(tmp_path))
+        except Exception as exc:  # this release cannot build a rotary module from a string theta: said so
+            assert "itself cannot run this config" in str(exc), exc
+            return
+        assert [r.why for r in records if r.key == "rope_theta"] == ["a string in the file; a number is meant"]
+        return
+    config = AutoConfig.from_pretrained(tmp_path, local_files_only=True)
+    model = model_class("qwen2")(config)
+    head_dim = model.model.layers[0].self_attn.q_proj.out_features // config.num_attention_heads
+    built_rotary = 2 * model.model.rotary_emb.inv_freq.numel()
+    keys = {r.key for r in drift(str(tmp_path))}
+    assert ("partial_rotary_factor" in keys) == (built_rotary != head_dim // 2), (keys, built_rotary)

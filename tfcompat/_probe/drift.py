@@ -140,13 +140,36 @@ def _built(config):
     width = 2 * inv.numel()
     kind = str(getattr(rotary, "rope_type", "default"))
     theta = float(inv[1] ** (-width / 2.0)) if inv.numel() > 1 and kind == "default" else None
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    head_dim = _attention_head_dim(fam, text)
     section = None
     if fam.mrope != "none":  # the sections this release's attention (or rotary module) folds by
         init = _resolve.resolve("rope.init", fam.name).plan
         section = rope_dict(text, init.config_key)[0].get("mrope_section") or init.default_mrope_section
     return {"rope_type": kind, "rope_theta": theta, "rotary_dim": width, "head_dim": head_dim,
             "mrope_section": section}
+
+
+def _attention_head_dim(fam, text):
+    """The head width this release's attention builds from the config: one attention module built on the meta
+    device (shapes only), its ``head_dim`` or query projection per head; the config's own value where the module
+    says neither."""
+    import torch
+
+    from . import resolve as _resolve
+
+    try:
+        module = _resolve.resolve("attention.signature", fam.name).target
+        with torch.device("meta"):
+            attention = getattr(module, fam.attention)(text, 0)
+    except Exception as exc:  # the release itself cannot build this file's attention
+        raise TfcompatError(f"transformers {_release()} itself cannot run this config: its {fam.attention} raised "
+                            f"{type(exc).__name__}: {exc}; fix the config (or run the release it was written "
+                            f"for)") from None
+    width = getattr(attention, "head_dim", None)
+    if not isinstance(width, int):
+        proj = getattr(attention, "q_proj", None)
+        width = proj.out_features // int(text.num_attention_heads) if proj is not None else None
+    return width or getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
 
 
 def drift(path_or_config: Any) -> list:
@@ -208,9 +231,9 @@ def _shape_drift(raw, config, want, got, release):
     head_dim = want["head_dim"]
     mla = "qk_rope_head_dim" in raw or "qk_rope_head_dim" in _text_part(raw)  # head_dim means another width there
     if isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim != got["head_dim"] and not mla:
-        out.append(Drift("head_dim", head_dim, got["head_dim"], f"transformers {release}'s config does not read "
-                         f"head_dim for this family (hidden_size // num_attention_heads); its projections would "
-                         f"not match the checkpoint's"))
+        out.append(Drift("head_dim", head_dim, got["head_dim"], f"transformers {release}'s attention builds heads "
+                         f"of {got['head_dim']} channels (it does not read head_dim for this family); its "
+                         f"projections would not match the checkpoint's"))
     section, built = want["mrope_section"], got["mrope_section"]
     if section is not None and (built is None or tuple(section) != tuple(built)):
         out.append(Drift("mrope_section", list(section), None if built is None else list(built),
