@@ -227,4 +227,4 @@ def _sdpa_fallback(q, k, v, bounds, scale, causal, window, dropout_p):
         out = torch.nn.functional.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=mask, dropout_p=dropout_p, is_causal=causal and mask is None, scale=scale, **extra)
         outs.append(out[0].transpose(0, 1))
-    return torch.cat(outs, dim=0)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)  # one sequence: no copy of its output
