@@ -299,7 +299,7 @@ def _window_drift(raw, config, release):
     on a tiny copy with these settings: ``window._probe``), where the window is shorter than the model's longest
     position (a window no shorter than every row changes nothing)."""
     from .families import family
-    from .window import _KEYS, _freeze, _probe
+    from .window import probed
 
     intent = _window_intent(raw)
     text = text_config(config)
@@ -310,8 +310,7 @@ def _window_drift(raw, config, release):
     total = int(text.num_hidden_layers)
     built: frozenset = frozenset()
     if getattr(text, "sliding_window", None):
-        settings = {k: _freeze(getattr(text, k, None)) for k in _KEYS}
-        built = frozenset(i for i, extra in _probe(family(config), settings).items() if extra is not None)
+        built = frozenset(i for i, extra in probed(family(config), text).items() if extra is not None)
     if built == meant:
         return []
     return [Drift("sliding_window", f"{window} on {_layers(meant, total)}", f"{window} on {_layers(built, total)}",

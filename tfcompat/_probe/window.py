@@ -51,11 +51,7 @@ def layer_windows(fam, text_cfg, attentions) -> tuple[dict, str]:
     if _flash(text_cfg):
         return ({id(m): module_window(m) for m in attentions},
                 f"{text_cfg._attn_implementation}: the window each attention module hands the kernel")
-    settings = tuple((k, _freeze(getattr(text_cfg, k, None))) for k in _KEYS)
-    key = (fam.name, settings)
-    if key not in _CACHE:
-        _CACHE[key] = _probe(fam, dict(settings))
-    windowed = _CACHE[key]
+    windowed = probed(fam, text_cfg)
     out = {}
     for i, m in enumerate(attentions):
         index = getattr(m, "layer_idx", None)
@@ -64,6 +60,16 @@ def layer_windows(fam, text_cfg, attentions) -> tuple[dict, str]:
     layers = sorted(i for i, e in windowed.items() if e is not None)
     return out, (f"upstream's eager attention on a tiny copy with these settings windows layers {layers} of "
                  f"{len(windowed)}")
+
+
+def probed(fam, text_cfg) -> dict:
+    """``{layer index: None or the window's offset}`` for these window settings, as this release's eager attention
+    runs them (the probe, once per distinct setting: cached)."""
+    settings = tuple((k, _freeze(getattr(text_cfg, k, None))) for k in _KEYS)
+    key = (fam.name, settings)
+    if key not in _CACHE:
+        _CACHE[key] = _probe(fam, dict(settings))
+    return _CACHE[key]
 
 
 def _freeze(value):

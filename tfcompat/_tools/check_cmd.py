@@ -66,7 +66,7 @@ def _check_model(args):
     if ulysses * context > 1:
         from .layout_check import refusal
 
-        why = refusal(allowed, ulysses, context)
+        why = refusal(allowed, ulysses)
         if why:
             return _check_fail(args, f"{path}: not Ulysses {ulysses} x context {context}: {why}")
     start = time.perf_counter()

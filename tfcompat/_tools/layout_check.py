@@ -16,8 +16,9 @@ import time
 from ..errors import ConfigError
 
 
-def refusal(allowed, ulysses, context):
-    """Why the real model cannot run this layout (None: it can): the facts ``tfcompat.patch`` refuses on."""
+def refusal(allowed, ulysses):
+    """Why the real model cannot run Ulysses over ``ulysses`` ranks beside context parallelism (None: it can): the
+    facts ``tfcompat.patch`` refuses on (``allowed``: :func:`.check_cmd.layouts`)."""
     if not allowed["context"]:
         return allowed["line"]
     if ulysses not in allowed["ulysses"]:
@@ -66,10 +67,9 @@ def _rank_step(name, config, ulysses, context):
     logits = unpack(gather_from_ranks(local, dim=1, length=pk.input_ids.shape[1], **groups), pk)
     (logits * weights * mask[..., None]).sum().backward()
     grads = {}
-    for n, p in model.named_parameters():
-        grad = p.grad.clone() if p.grad is not None else p.new_zeros(p.shape)
-        dist.all_reduce(grad)
-        grads[n] = grad if (p.grad is not None or n in ref_grads) else None
+    for n, p in model.named_parameters():  # summed over the ranks (a rank without one contributes zeros)
+        grads[n] = p.grad.clone() if p.grad is not None else p.new_zeros(p.shape)
+        dist.all_reduce(grads[n])
     return _difference(logits.detach(), ref, mask, grads, ref_grads)
 
 

@@ -120,7 +120,7 @@ def _changed(text: Any, small: Any, kept: dict) -> dict:
             continue
         if ours is None:
             continue  # a key the scaled config does not carry (an unused setting the file keeps): not scaled
-        if isinstance(theirs, (int, list)) and not isinstance(theirs, bool) and theirs is not None:
+        if isinstance(theirs, (int, list)) and not isinstance(theirs, bool):
             if isinstance(theirs, list) and len(theirs) > 8:
                 theirs = f"[{len(theirs)} entries]"
             out[key] = (theirs, ours, why)
