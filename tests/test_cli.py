@@ -248,3 +248,21 @@ def test_gpu_check_script_runs_and_refuses_without_a_gpu():
         pytest.skip("a CUDA device is visible: run the script itself")
     out = python(os.path.join("bench", "gpu_check.py"))
     assert out.returncode == 2 and "no CUDA device" in out.stdout
+
+
+def test_check_json_is_the_only_thing_on_stdout(capsys):
+    """`check --json`: whatever runs inside prints to stderr, not into the document (DeepSpeed, imported by
+    transformers while loading a model, logged a line on stdout before the JSON). A global forward hook (torch's
+    own API) prints during every forward of the checks."""
+    import torch
+
+    def chatty(module, args):
+        if module.__class__.__name__.endswith("ForCausalLM"):
+            print("[WARNING] a library's line on stdout")
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(chatty)
+    try:
+        code, out = check_here(capsys, "--family", installed()[0], "--json")
+    finally:
+        handle.remove()
+    assert code == 0 and json.loads(out)["passed"], out[:300]

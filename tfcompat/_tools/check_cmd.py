@@ -2,6 +2,7 @@
 (``--config``/``--model``, after the config-drift comparison), or on a device (``--device``/``--dtype``/``--plan``,
 :mod:`.device_checks`); lines or one JSON document (schema 1), exit 0 passed, 1 failed, 2 cannot serve."""
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -13,6 +14,20 @@ from .common import _PROG, SCHEMA, _dist_version
 
 
 def check(args):
+    """``tfcompat check``; with ``--json`` the document is the only thing on stdout: whatever the work prints
+    there (DeepSpeed's import-time log line, when transformers imports it while loading a model) goes to stderr."""
+    if not args.json:
+        return _check(args)
+    args.out = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):
+        return _check(args)
+
+
+def _print_json(args, doc, **kw):
+    print(json.dumps(doc, **kw), file=getattr(args, "out", None) or sys.stdout)
+
+
+def _check(args):
     from .. import version
     from .._probe import resolve as _resolve
     from . import checks as _checks
@@ -170,7 +185,7 @@ def _finish(args, results, start, fields, label):
            "torch": _dist_version("torch"), **fields, "results": results, "passed": failed == 0,
            "seconds": round(time.perf_counter() - start, 3)}
     if args.json:
-        print(json.dumps(doc, indent=2, sort_keys=True))
+        _print_json(args, doc, indent=2, sort_keys=True)
     else:
         print(f"{len(results) - failed - skipped} passed, {failed} failed, {skipped} skipped ({label}, "
               f"transformers {doc['transformers']}, {doc['seconds']:.1f}s)")
@@ -182,9 +197,9 @@ def _drift_exit(args, path, drifted):
     model the file describes)."""
     release = _dist_version("transformers")
     if args.json:
-        print(json.dumps({"schema": SCHEMA, "tfcompat": __version__, "transformers": release, "source": path,
-                          "passed": False, "drift": [dataclasses.asdict(d) for d in drifted]}, indent=2,
-                         sort_keys=True, default=str))
+        _print_json(args, {"schema": SCHEMA, "tfcompat": __version__, "transformers": release, "source": path,
+                           "passed": False, "drift": [dataclasses.asdict(d) for d in drifted]}, indent=2,
+                    sort_keys=True, default=str)
     else:
         print(f"{path}: transformers {release} builds another RoPE than this file sets:")
         for d in drifted:
@@ -235,7 +250,7 @@ def _check_device(args):
            "results": results, "speed_ms": dict(speeds), "passed": failed == 0,
            "seconds": round(time.perf_counter() - start, 3)}
     if args.json:
-        print(json.dumps(doc, indent=2, sort_keys=True))
+        _print_json(args, doc, indent=2, sort_keys=True)
     else:
         for label, ms in speeds:
             print(f"  speed {label:<16} {ms:9.3f} ms  {ms / speeds[-1][1]:5.2f}x the copy")
@@ -287,7 +302,7 @@ def _quiet_transformers():
 
 def _check_fail(args, message):
     if args.json:
-        print(json.dumps({"schema": SCHEMA, "passed": False, "error": message, "results": []}, indent=2))
+        _print_json(args, {"schema": SCHEMA, "passed": False, "error": message, "results": []}, indent=2)
     else:
         print(f"{_PROG} check: {message}", file=sys.stderr)
     return 2
