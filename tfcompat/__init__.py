@@ -2,7 +2,8 @@
 
 Importing this package is cheap and pure: it imports neither torch nor transformers and
 patches nothing. Public modules: :mod:`.rope`, :mod:`.config`, :mod:`.errors`,
-:mod:`.version`, :mod:`.testing`, :mod:`.packing`, :mod:`.varlen`, :mod:`.ulysses`, :mod:`.embeds`;
+:mod:`.version`, :mod:`.testing`, :mod:`.packing`, :mod:`.varlen`, :mod:`.ulysses`, :mod:`.embeds`,
+:mod:`.trainer`;
 the record types :class:`Resolution` and :class:`PatchRecord` are importable from the package.
 """
 

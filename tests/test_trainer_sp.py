@@ -1,0 +1,257 @@
+"""Sequence parallelism under transformers.Trainer and TRL's SFTTrainer (tfcompat.trainer.SequenceParallelMixin)
+over 4 spawned gloo ranks: the per-step losses and the final parameters equal the single-process Trainer on the
+padded batches of the same examples (every rank draws its own micro-batch; the global batch is 4 of them).
+
+Layouts: Ulysses 2 x data parallel 2 on one DeviceMesh (a text and a VL family), context parallelism over all 4
+ranks on a model with fewer kv heads than ranks, and TRL's SFTTrainer(padding_free=True) on the 2 x 2 mesh.
+"""
+
+import functools
+import os
+
+import pytest
+import torch
+
+import tfcompat
+from tfcompat._probe.families import FAMILIES as SPECS
+from tfcompat.embeds import rope_index
+from tfcompat.packing import pack
+
+from _dist import assert_ok, merged, run_cases, spawn
+from _helpers import patchable
+from _models import forward_kwargs, padded, tiny_model, tiny_pixels, tiny_sequence
+
+pytestmark = pytest.mark.xdist_group("distributed")
+
+if os.environ.get("TFCOMPAT_BOUNDARY_TESTS") == "skip":
+    pytest.skip("the Trainer's sequence parallelism over spawned ranks runs on the boundary releases of the matrix "
+                "(tox.ini says which)", allow_module_level=True)
+pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (installed by the tox envs)")
+
+HAVE = patchable()
+TEXT = next(n for n in ("qwen3", "qwen2") if n in HAVE)
+FEW_KV = next(n for n in ("qwen2", "qwen3") if n in HAVE)
+VL = next((n for n in ("qwen2_5_vl", "qwen2_vl") if n in HAVE), None)
+PRELOAD_FAMILIES = sorted({TEXT, FEW_KV} | ({VL} if VL else set()))
+WORLD, PER_RANK, STEPS, LR = 4, 2, 2, 1e-3
+LENGTHS = [5, 3, 7, 4, 6, 2, 8, 3, 4, 5, 7, 2, 3, 6, 5, 4]  # WORLD * PER_RANK * STEPS examples
+
+
+def _examples(name, vision=False):
+    out = []
+    for i, k in enumerate(LENGTHS):
+        ex = {"input_ids": tiny_sequence(name, text=k, image=vision)}
+        if vision:
+            ex.update(tiny_pixels(1, seed=i))
+        out.append(ex)
+    return out
+
+
+def _labels(ids, mask):
+    labels = torch.where(mask.bool(), ids, -100)
+    labels[:, 0] = -100  # no position predicts a sequence's first token (as the flattening collators mask it)
+    return labels
+
+
+class _PaddedCollator:
+    """The reference batches: right-padded rows (pixels and grids concatenated for a VL family)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, features):
+        ids, mask = padded([f["input_ids"] for f in features])
+        out = {"input_ids": ids, "attention_mask": mask, "labels": _labels(ids, mask)}
+        if "pixel_values" in features[0]:
+            out["pixel_values"] = torch.cat([f["pixel_values"] for f in features])
+            out["image_grid_thw"] = torch.cat([f["image_grid_thw"] for f in features])
+            out.update(forward_kwargs(self.model, ids))
+        return out
+
+
+class _PackedVLCollator(_PaddedCollator):
+    """One packed row of a VL batch: its 3-D positions from the family's own get_rope_index, per sequence."""
+
+    def __call__(self, features):
+        padded_batch = super().__call__(features)
+        ids, mask = padded_batch["input_ids"], padded_batch["attention_mask"]
+        grid = padded_batch["image_grid_thw"]
+        pk = pack(ids, mask, rope_index(self.model, ids, image_grid_thw=grid, attention_mask=mask)[0], vision=True)
+        out = {"input_ids": pk.input_ids, "position_ids": pk.position_ids,
+               "labels": padded_batch["labels"][mask.bool()][None],
+               "pixel_values": padded_batch["pixel_values"], "image_grid_thw": grid}
+        out.update(forward_kwargs(self.model, pk.input_ids))
+        return out
+
+
+def _args(folder, trl=None, **extra):
+    kw = dict(output_dir=folder, per_device_train_batch_size=PER_RANK, max_steps=STEPS, learning_rate=LR,
+              logging_steps=1, gradient_checkpointing=True, report_to=[], save_strategy="no", use_cpu=True, seed=0,
+              disable_tqdm=True, average_tokens_across_devices=True, **extra)
+    if trl is not None:
+        return trl.SFTConfig(padding_free=kw.pop("padding_free", False), max_length=None, bf16=False, **kw)
+    import transformers
+
+    return transformers.TrainingArguments(**kw)
+
+
+def _train(trainer_cls, model, args, dataset, collator=None, **extra):
+    import transformers
+
+    losses = []
+
+    class Record(transformers.TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                losses.append(logs["loss"])
+
+    kw = dict(data_collator=collator) if collator is not None else {}
+    trainer = trainer_cls(model=model, args=args, train_dataset=dataset, callbacks=[Record()], **kw, **extra)
+    trainer.train()
+    params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
+    return losses, params
+
+
+def _sp_trainer(base):
+    from tfcompat.trainer import SequenceParallelMixin
+
+    return type(f"SP{base.__name__}", (SequenceParallelMixin, base), {})
+
+
+def _groups(layout):
+    import torch.distributed as dist
+
+    if layout == "context4":
+        return dict(context_group=dist.group.WORLD)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    return dict(ulysses_group=mesh["sp"].get_group())
+
+
+def _worker_case(rank, folder, case, name, layout, client):
+    import transformers
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
+    model = tiny_model(name)
+    tfcompat.patch(model, slice_inputs=True, **_groups(layout))
+    out = os.path.join(folder, case)
+    if client == "sft":
+        import trl
+
+        args = _args(out, trl=trl, padding_free=True)
+        losses, params = _train(_sp_trainer(trl.SFTTrainer), model, args, _sft_dataset(name),
+                                processing_class=_word_tokenizer())
+    else:
+        vision = SPECS[name].vision
+        collator = _PackedVLCollator(model) if vision else transformers.DataCollatorWithFlattening()
+        losses, params = _train(_sp_trainer(transformers.Trainer), model, _args(out),
+                                _examples(name, vision), collator)
+    if rank == 0:
+        torch.save({"losses": losses, "params": params}, os.path.join(folder, f"{case}.pt"))
+
+
+def _sft_dataset(name):
+    import datasets
+
+    return datasets.Dataset.from_list([dict(e, labels=[-100] + e["input_ids"][1:]) for e in _examples(name)])
+
+
+def _word_tokenizer():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(256)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t1")), pad_token="t0",
+                                   eos_token="t2")
+
+
+def _have_trl():
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+CASES = [("ulysses_dp2", TEXT, "dp2xsp2", "trainer"), ("context4", FEW_KV, "context4", "trainer")]
+CASES += [("vl_ulysses_dp2", VL, "dp2xsp2", "trainer")] if VL else []
+CASES += [("sft_ulysses_dp2", TEXT, "dp2xsp2", "sft")] if _have_trl() else []
+
+
+def _refusals_case(rank, folder):
+    """Every refusal is raised alike on every rank, before any collective (no rank is left waiting)."""
+    import transformers
+
+    from tfcompat.errors import UlyssesError
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
+    flat = transformers.DataCollatorWithFlattening()
+    groups = _groups("dp2xsp2")
+    tries = {"not patched for sequence parallelism": ({}, flat, {}),
+             "without slice_inputs=True": (dict(groups), flat, {}),
+             "splits one packed row": (dict(groups, slice_inputs=True), _PaddedCollator(None), {}),
+             "label_smoothing_factor": (dict(groups, slice_inputs=True), flat, dict(label_smoothing_factor=0.1))}
+    for said, (patch_kw, collator, extra) in tries.items():
+        model = tiny_model(TEXT)
+        if patch_kw:
+            tfcompat.patch(model, **patch_kw)
+        with pytest.raises(UlyssesError, match=said):
+            _train(_sp_trainer(transformers.Trainer), model, _args(os.path.join(folder, "refused"), **extra),
+                   _examples(TEXT), collator)
+
+
+def _cases(rank, world, folder):
+    cases = [(case, functools.partial(_worker_case, rank, folder, case, name, layout, client))
+             for case, name, layout, client in CASES]
+    return run_cases(rank, cases + [("refusals", functools.partial(_refusals_case, rank, folder))])
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("trainer-sp"))
+    return folder, merged(spawn(_cases, WORLD, folder, timeout=900, collect=True))
+
+
+def _reference(case, name, client, folder):
+    """The single-process Trainer on the padded micro-batches the ranks drew, accumulated over WORLD of them (the
+    one-process twin of data parallelism over WORLD ranks: a model whose loss takes num_items_in_batch sums over
+    all of them, one that takes none, Qwen2.5-VL, averages the micro-batches' means, as data parallelism does)."""
+    import transformers
+
+    model = tiny_model(name)
+    out = os.path.join(folder, f"{case}-reference")
+    if client == "sft":
+        import trl
+
+        return _train(trl.SFTTrainer, model, _args(out, trl=trl, gradient_accumulation_steps=WORLD), _sft_dataset(name),
+                      processing_class=_word_tokenizer())
+    vision = SPECS[name].vision
+    return _train(transformers.Trainer, model, _args(out, gradient_accumulation_steps=WORLD), _examples(name, vision),
+                  _PaddedCollator(model))
+
+
+@pytest.mark.parametrize("case,name,layout,client", CASES, ids=[c[0] for c in CASES])
+def test_sequence_parallel_trainer_equals_the_padded_single_process_run(ran, case, name, layout, client):
+    folder, outcomes = ran
+    assert_ok(outcomes, case)
+    got = torch.load(os.path.join(folder, f"{case}.pt"))
+    want_losses, want_params = _reference(case, name, client, folder)
+    assert len(want_losses) == STEPS and got["losses"] == pytest.approx(want_losses, rel=1e-4, abs=1e-4)
+    assert set(got["params"]) == set(want_params)
+    start = dict(tiny_model(name).named_parameters())
+    for n, p in want_params.items():
+        # AdamW turns gradients a rounding apart into steps a little apart where a gradient is near zero: a
+        # fiftieth of the largest step AdamW takes
+        torch.testing.assert_close(got["params"][n], p, rtol=0, atol=0.02 * LR * STEPS, msg=n)
+    moved = max((want_params[n] - start[n]).abs().max().item() for n in want_params)
+    assert moved > LR / 2, "the steps did not move the weights: the comparison would prove nothing"
+
+
+def test_what_the_sequence_parallel_step_cannot_run_is_refused_on_every_rank(ran):
+    """A model not patched for it, or patched without slice_inputs=True, padded batches of several rows, label
+    smoothing: UlyssesError naming what to change, on all 4 ranks."""
+    assert_ok(ran[1], "refusals")
