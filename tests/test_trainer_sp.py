@@ -3,7 +3,8 @@ over 4 spawned gloo ranks: the per-step losses and the final parameters equal th
 padded batches of the same examples (every rank draws its own micro-batch; the global batch is 4 of them).
 
 Layouts: Ulysses 2 x data parallel 2 on one DeviceMesh (a text and a VL family), context parallelism over all 4
-ranks on a model with fewer kv heads than ranks, and TRL's SFTTrainer(padding_free=True) on the 2 x 2 mesh.
+ranks on a model with fewer kv heads than ranks, context 2 x Ulysses 2 (a VL family: each row over all 4 ranks),
+and TRL's SFTTrainer(padding_free=True) on the 2 x 2 mesh.
 """
 
 import functools
@@ -125,6 +126,9 @@ def _groups(layout):
         return dict(context_group=dist.group.WORLD)
     from torch.distributed.device_mesh import init_device_mesh
 
+    if layout == "cp2xsp2":  # one row over all 4 ranks: context 2 x Ulysses 2
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "sp"))
+        return dict(ulysses_group=mesh["sp"].get_group(), context_group=mesh["cp"].get_group())
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
     return dict(ulysses_group=mesh["sp"].get_group())
 
@@ -177,7 +181,8 @@ def _have_trl():
 
 
 CASES = [("ulysses_dp2", TEXT, "dp2xsp2", "trainer"), ("context4", FEW_KV, "context4", "trainer")]
-CASES += [("vl_ulysses_dp2", VL, "dp2xsp2", "trainer")] if VL else []
+CASES += [("vl_ulysses_dp2", VL, "dp2xsp2", "trainer"), ("vl_context2xulysses2", VL, "cp2xsp2", "trainer")] if VL \
+    else []
 CASES += [("sft_ulysses_dp2", TEXT, "dp2xsp2", "sft")] if _have_trl() else []
 
 
