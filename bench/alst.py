@@ -5,6 +5,7 @@ time per rank (forward + backward), as ratios tfcompat / ALST.
 
     python bench/alst.py                      # 2 gloo ranks on the CPU (DeepSpeed installed: see below)
     python bench/alst.py --ranks 4 --tokens 4096
+    python bench/alst.py --json               # the numbers as JSON (tests/test_alst.py reads them)
 
 Rows: a packed row of 4 sequences (what a padding-free collator hands the model), one long sequence (no
 packing: where both are exact and speed is the question), and Qwen2.5-VL's packed row with 3-row mRoPE
@@ -192,11 +193,15 @@ def main():
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", action="store_true", help="print the measurements as one JSON object")
     args = parser.parse_args()
     folder = tempfile.mkdtemp(prefix="tfcompat-alst-")
     mp.start_processes(_worker, args=(args.ranks, "file://" + os.path.join(folder, "rendezvous"), folder, args),
                        nprocs=args.ranks, start_method="spawn")
     out = json.load(open(os.path.join(folder, "out.json")))
+    if args.json:  # {"family/rows": {"tfcompat": [rel.err, seconds], "alst": [rel.err or "refused: ...", seconds]}}
+        print(json.dumps(out))
+        return
     print(f"{args.ranks} gloo ranks, Qwen3 8/2 heads hidden {args.hidden} x {args.layers} layers, {args.tokens} "
           f"tokens; Qwen2.5-VL tiny; fp32, SDPA; step = forward + backward, median of {args.repeats}, slowest rank")
     print(f"{'rows':<20} {'tfcompat rel.err':>16} {'ALST rel.err':>16} {'tfcompat/ALST time':>19}")
