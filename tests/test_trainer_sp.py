@@ -85,8 +85,19 @@ class _PackedVLCollator(_PaddedCollator):
         return out
 
 
+#: cases that accumulate gradients: micro-batches of PER_RANK / k examples, k per step on every rank
+ACCUMULATE = {"ulysses_dp2_accumulate2": 2}
+
+
+def _batching(case, processes):
+    """The micro-batch size and accumulation of a case run over ``processes`` processes (1: the reference, which
+    accumulates every rank's micro-batches)."""
+    k = ACCUMULATE.get(case, 1)
+    return dict(per_device_train_batch_size=PER_RANK // k, gradient_accumulation_steps=k * WORLD // processes)
+
+
 def _args(folder, trl=None, **extra):
-    kw = dict(output_dir=folder, per_device_train_batch_size=PER_RANK, max_steps=STEPS, learning_rate=LR,
+    kw = dict(output_dir=folder, max_steps=STEPS, learning_rate=LR,
               logging_steps=1, gradient_checkpointing=True, report_to=[], save_strategy="no", use_cpu=True, seed=0,
               disable_tqdm=True, average_tokens_across_devices=True, **extra)
     if trl is not None:
@@ -144,13 +155,13 @@ def _worker_case(rank, folder, case, name, layout, client):
     if client == "sft":
         import trl
 
-        args = _args(out, trl=trl, padding_free=True)
+        args = _args(out, trl=trl, padding_free=True, **_batching(case, WORLD))
         losses, params = _train(_sp_trainer(trl.SFTTrainer), model, args, _sft_dataset(name),
                                 processing_class=_word_tokenizer())
     else:
         vision = SPECS[name].vision
         collator = _PackedVLCollator(model) if vision else transformers.DataCollatorWithFlattening()
-        losses, params = _train(_sp_trainer(transformers.Trainer), model, _args(out),
+        losses, params = _train(_sp_trainer(transformers.Trainer), model, _args(out, **_batching(case, WORLD)),
                                 _examples(name, vision), collator)
     if rank == 0:
         torch.save({"losses": losses, "params": params}, os.path.join(folder, f"{case}.pt"))
@@ -180,7 +191,8 @@ def _have_trl():
     return True
 
 
-CASES = [("ulysses_dp2", TEXT, "dp2xsp2", "trainer"), ("context4", FEW_KV, "context4", "trainer")]
+CASES = [("ulysses_dp2", TEXT, "dp2xsp2", "trainer"), ("context4", FEW_KV, "context4", "trainer"),
+         ("ulysses_dp2_accumulate2", TEXT, "dp2xsp2", "trainer")]
 CASES += [("vl_ulysses_dp2", VL, "dp2xsp2", "trainer"), ("vl_context2xulysses2", VL, "cp2xsp2", "trainer")] if VL \
     else []
 CASES += [("sft_ulysses_dp2", TEXT, "dp2xsp2", "sft")] if _have_trl() else []
@@ -205,8 +217,8 @@ def _refusals_case(rank, folder):
         if patch_kw:
             tfcompat.patch(model, **patch_kw)
         with pytest.raises(UlyssesError, match=said):
-            _train(_sp_trainer(transformers.Trainer), model, _args(os.path.join(folder, "refused"), **extra),
-                   _examples(TEXT), collator)
+            args = _args(os.path.join(folder, "refused"), **extra, **_batching("", WORLD))
+            _train(_sp_trainer(transformers.Trainer), model, args, _examples(TEXT), collator)
 
 
 def _cases(rank, world, folder):
@@ -232,10 +244,10 @@ def _reference(case, name, client, folder):
     if client == "sft":
         import trl
 
-        return _train(trl.SFTTrainer, model, _args(out, trl=trl, gradient_accumulation_steps=WORLD), _sft_dataset(name),
+        return _train(trl.SFTTrainer, model, _args(out, trl=trl, **_batching(case, 1)), _sft_dataset(name),
                       processing_class=_word_tokenizer())
     vision = SPECS[name].vision
-    return _train(transformers.Trainer, model, _args(out, gradient_accumulation_steps=WORLD), _examples(name, vision),
+    return _train(transformers.Trainer, model, _args(out, **_batching(case, 1)), _examples(name, vision),
                   _PaddedCollator(model))
 
 
