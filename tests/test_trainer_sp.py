@@ -40,10 +40,13 @@ LENGTHS = [5, 3, 7, 4, 6, 2, 8, 3, 4, 5, 7, 2, 3, 6, 5, 4]  # WORLD * PER_RANK *
 
 
 def _examples(name, vision=False):
+    """VL: every other example has an image (rows with and without images in a group, text-only rows on some
+    ranks: the patched model's dummy visual forward keeps DDP's vision gradients there)."""
     out = []
     for i, k in enumerate(LENGTHS):
-        ex = {"input_ids": tiny_sequence(name, text=k, image=vision)}
-        if vision:
+        image = vision and i % 2 == 0
+        ex = {"input_ids": tiny_sequence(name, text=k, image=image)}
+        if image:
             ex.update(tiny_pixels(1, seed=i))
         out.append(ex)
     return out
@@ -64,9 +67,10 @@ class _PaddedCollator:
     def __call__(self, features):
         ids, mask = padded([f["input_ids"] for f in features])
         out = {"input_ids": ids, "attention_mask": mask, "labels": _labels(ids, mask)}
-        if "pixel_values" in features[0]:
-            out["pixel_values"] = torch.cat([f["pixel_values"] for f in features])
-            out["image_grid_thw"] = torch.cat([f["image_grid_thw"] for f in features])
+        with_image = [f for f in features if "pixel_values" in f]
+        if with_image:
+            out["pixel_values"] = torch.cat([f["pixel_values"] for f in with_image])
+            out["image_grid_thw"] = torch.cat([f["image_grid_thw"] for f in with_image])
             out.update(forward_kwargs(self.model, ids))
         return out
 
@@ -77,12 +81,13 @@ class _PackedVLCollator(_PaddedCollator):
     def __call__(self, features):
         padded_batch = super().__call__(features)
         ids, mask = padded_batch["input_ids"], padded_batch["attention_mask"]
-        grid = padded_batch["image_grid_thw"]
+        grid = padded_batch.get("image_grid_thw")
         pk = pack(ids, mask, rope_index(self.model, ids, image_grid_thw=grid, attention_mask=mask)[0], vision=True)
         out = {"input_ids": pk.input_ids, "position_ids": pk.position_ids,
-               "labels": padded_batch["labels"][mask.bool()][None],
-               "pixel_values": padded_batch["pixel_values"], "image_grid_thw": grid}
-        out.update(forward_kwargs(self.model, pk.input_ids))
+               "labels": padded_batch["labels"][mask.bool()][None]}
+        if grid is not None:
+            out.update(pixel_values=padded_batch["pixel_values"], image_grid_thw=grid)
+            out.update(forward_kwargs(self.model, pk.input_ids))
         return out
 
 
@@ -236,6 +241,13 @@ def _refusals_case(rank, folder):
         with pytest.raises(UlyssesError, match=said):
             args = _args(os.path.join(folder, "refused"), **extra, **_batching("", WORLD))
             _train(_sp_trainer(transformers.Trainer), model, args, _examples(TEXT), collator)
+    model = tiny_model(TEXT)
+    tfcompat.patch(model, slice_inputs=True, **groups)
+    trainer = _sp_trainer(transformers.Trainer)(model=model, args=_args(os.path.join(folder, "refused"),
+                                                                        **_batching("", WORLD)),
+                                                eval_dataset=_examples(TEXT), data_collator=flat)
+    with pytest.raises(UlyssesError, match="evaluation and prediction"):
+        trainer.evaluate()
 
 
 def _cases(rank, world, folder):
@@ -296,5 +308,5 @@ def test_sequence_parallel_trainer_equals_the_padded_single_process_run(ran, cas
 
 def test_what_the_sequence_parallel_step_cannot_run_is_refused_on_every_rank(ran):
     """A model not patched for it, or patched without slice_inputs=True, padded batches of several rows, label
-    smoothing: UlyssesError naming what to change, on all 4 ranks."""
+    smoothing, evaluation: UlyssesError naming what to change, on all 4 ranks."""
     assert_ok(ran[1], "refusals")

@@ -24,7 +24,7 @@ Refused (:class:`~tfcompat.errors.UlyssesError`, before any step): a model patch
 ``slice_inputs=True``; batches of several rows (pack them: ``DataCollatorWithFlattening`` or TRL's
 ``padding_free=True``); label smoothing, ``compute_loss_func``, TRL losses other than ``nll``, Liger kernels,
 DeepSpeed's engine and accelerate's own ``sp``/``cp`` dimensions (each would compute another loss or split the row
-again); evaluation with labels (each rank's share of another rank's loss is not built).
+again); evaluation and prediction (each rank would return a share of another rank's row).
 
 .. versionadded:: 0.2.0
 """
@@ -120,14 +120,19 @@ class SequenceParallelMixin:
             total = loss if total is None else total + loss
         return total
 
+    def prediction_step(self, model, inputs, *args, **kwargs):
+        # evaluation and predict(): each rank would return its share of the logits of its own row
+        sequence_groups(model)
+        raise UlyssesError(f"{_WHAT}: evaluation and prediction under sequence parallelism are not built (each rank "
+                           f"would return a share of another rank's row); set eval_strategy='no' and evaluate with a "
+                           f"model patched without groups")
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None, **kwargs):
         split = getattr(self, "_tfcompat_split", None)
         if split is None:
-            if any(k in inputs for k in ("labels", "shift_labels")):
-                raise UlyssesError(f"{_WHAT}: a loss outside a training step (evaluation with labels) is not built "
-                                   f"under sequence parallelism; evaluate with eval_dataset=None, or a model patched "
-                                   f"without groups")
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch, **kwargs)
+            raise UlyssesError(f"{_WHAT}: compute_loss runs inside its training_step (which gives every rank of the "
+                               f"group the same row); a loss outside a training step is not built under sequence "
+                               f"parallelism")
         inputs = dict(inputs)
         labels, shift = inputs.pop("labels", None), inputs.pop("shift_labels", None)
         if shift is None:
