@@ -160,7 +160,7 @@ def _worker_case(rank, folder, case, name, layout, client):
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
-    model = tiny_model(name)
+    model = _model(case, name)
     tfcompat.patch(model, slice_inputs=True, **_groups(layout))
     out = os.path.join(folder, case)
     if client == "sft":
@@ -180,6 +180,17 @@ def _worker_case(rank, folder, case, name, layout, client):
                 del os.environ[key]
     if rank == 0:
         torch.save({"losses": losses, "params": params}, os.path.join(folder, f"{case}.pt"))
+
+
+def _model(case, name):
+    """The tiny model; for a LoRA case, wrapped by PEFT (the adapters seeded: the same on every rank)."""
+    model = tiny_model(name)
+    if not case.startswith("lora"):
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
 
 
 def _fsdp2(model):
@@ -213,7 +224,7 @@ def _have_trl():
 
 
 CASES = [("ulysses_dp2", TEXT, "dp2xsp2", "trainer"), ("context4", FEW_KV, "context4", "trainer"),
-         ("ulysses_dp2_accumulate2", TEXT, "dp2xsp2", "trainer")]
+         ("ulysses_dp2_accumulate2", TEXT, "dp2xsp2", "trainer"), ("lora_ulysses_dp2", TEXT, "dp2xsp2", "trainer")]
 CASES += [("vl_ulysses_dp2", VL, "dp2xsp2", "trainer"), ("vl_context2xulysses2", VL, "cp2xsp2", "trainer")] if VL \
     else []
 CASES += [("sft_ulysses_dp2", TEXT, "dp2xsp2", "sft")] if _have_trl() else []
@@ -276,7 +287,7 @@ def _reference(case, name, client, folder):
     all of them, one that takes none, Qwen2.5-VL, averages the micro-batches' means, as data parallelism does)."""
     import transformers
 
-    model = tiny_model(name)
+    model = _model(case, name)
     out = os.path.join(folder, f"{case}-reference")
     if client == "sft":
         import trl
@@ -299,7 +310,7 @@ def test_sequence_parallel_trainer_equals_the_padded_single_process_run(ran, cas
     want_losses, want_params = _reference(case, name, client, folder)
     assert len(want_losses) == STEPS and got["losses"] == pytest.approx(want_losses, rel=1e-4, abs=1e-4)
     assert set(got["params"]) == set(want_params)
-    start = dict(tiny_model(name).named_parameters())
+    start = dict(_model(case, name).named_parameters())
     for n, p in want_params.items():
         # AdamW turns gradients a rounding apart into steps a little apart where a gradient is near zero: a
         # fiftieth of the largest step AdamW takes
