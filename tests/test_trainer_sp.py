@@ -100,8 +100,13 @@ def _batching(case, processes):
     accumulates every rank's micro-batches)."""
     k = ACCUMULATE.get(case, 1)
     # the accumulating case also runs without activation checkpointing (DDP then looks for unused parameters)
-    return dict(per_device_train_batch_size=PER_RANK // k, gradient_accumulation_steps=k * WORLD // processes,
-                gradient_checkpointing=k == 1)
+    out = dict(per_device_train_batch_size=PER_RANK // k, gradient_accumulation_steps=k * WORLD // processes,
+               gradient_checkpointing=k == 1)
+    if case.startswith("lora"):
+        # frozen embeddings: reentrant checkpointing (4.x's default) would leave the loss without a gradient, with
+        # or without tfcompat; PEFT's users pass this
+        out["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+    return out
 
 
 def _args(folder, trl=None, **extra):
