@@ -15,17 +15,13 @@ DS_SKIP_CUDA_CHECK=1 pip install deepspeed`` (0.19.8 measured; its Ulysses runs 
 """
 
 import argparse
-import datetime
 import json
-import os
 import statistics
-import sys
-import tempfile
 import time
 
+import _ranks  # bench/_ranks.py: the folder of the script run is on sys.path
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import tfcompat
 from tfcompat.packing import pack, unpack
@@ -164,10 +160,7 @@ def _alst(name, case, args, world):
 CASES = (("qwen3", "packed"), ("qwen3", "long"), ("qwen2_5_vl", "packed"))
 
 
-def _worker(rank, world, init, folder, args):
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+def _worker(rank, world, args):
     out = {}
     for name, case in CASES:
         out[f"{name}/{case}"] = {"tfcompat": _tfcompat(name, case, args, world)}
@@ -178,12 +171,7 @@ def _worker(rank, world, init, folder, args):
     UlyssesSPAttentionHF.register_with_transformers(_model("qwen3", args), "sdpa", world, 1)
     for name, case in CASES:
         out[f"{name}/{case}"]["alst"] = _alst(name, case, args, world)
-    if rank == 0:
-        with open(os.path.join(folder, "out.json"), "w") as f:
-            json.dump(out, f)
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)
+    return out
 
 
 def main():
@@ -195,10 +183,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print the measurements as one JSON object")
     args = parser.parse_args()
-    folder = tempfile.mkdtemp(prefix="tfcompat-alst-")
-    mp.start_processes(_worker, args=(args.ranks, "file://" + os.path.join(folder, "rendezvous"), folder, args),
-                       nprocs=args.ranks, start_method="spawn")
-    out = json.load(open(os.path.join(folder, "out.json")))
+    out = _ranks.run(_worker, args.ranks, args)
     if args.json:  # {"family/rows": {"tfcompat": [rel.err, seconds], "alst": [rel.err or "refused: ...", seconds]}}
         print(json.dumps(out))
         return

@@ -14,17 +14,13 @@ on a GPU, peak memory would say the same. tests/test_trainer_sp.py proves the nu
 """
 
 import argparse
-import datetime
-import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 
+import _ranks  # bench/_ranks.py: the folder of the script run is on sys.path
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 LAYOUTS = ("dp4", "dp2 x sp2", "sp4", "cp4")
 
@@ -105,19 +101,8 @@ def _run(layout, args, world):
     return slowest.tolist() + [losses]
 
 
-def _worker(rank, world, init, folder, args):
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29556")
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=900))
-    out = {layout: _run(layout, args, world) for layout in LAYOUTS}
-    if rank == 0:
-        with open(os.path.join(folder, "out.json"), "w") as f:
-            json.dump(out, f)
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)
+def _worker(rank, world, args):
+    return {layout: _run(layout, args, world) for layout in LAYOUTS}
 
 
 def main():
@@ -129,10 +114,7 @@ def main():
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing on")
     args = parser.parse_args()
     world = 4
-    folder = tempfile.mkdtemp(prefix="tfcompat-trainer-sp-")
-    mp.start_processes(_worker, args=(world, "file://" + os.path.join(folder, "rendezvous"), folder, args),
-                       nprocs=world, start_method="spawn")
-    out = json.load(open(os.path.join(folder, "out.json")))
+    out = _ranks.run(_worker, world, args, trainer_env=True)
     print(f"{world} gloo ranks, transformers.Trainer, Qwen3 8/2 heads hidden {args.hidden} x {args.layers} layers, "
           f"~{args.tokens} tokens per rank's micro-batch (4 sequences), fp32, checkpointing "
           f"{'on' if args.checkpointing else 'off'}; step: median of {args.steps}, slowest rank")
