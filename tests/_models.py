@@ -186,3 +186,15 @@ def _dynamic_cache(model):
         return DynamicCache(config=model.config)
     except TypeError:  # 4.x: no config argument
         return DynamicCache()
+
+
+def word_tokenizer():
+    """A tokenizer built here (nothing is downloaded): one word per id of the tiny models' vocabulary (TRL's
+    SFTTrainer needs a processing class)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(256)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t1")), pad_token="t0",
+                                   eos_token="t2")

@@ -15,7 +15,7 @@ import tfcompat
 from tfcompat._probe.families import FAMILIES as SPECS
 
 from _helpers import one_per_shape, patchable
-from _models import forward_kwargs, padded, run_upstream, tiny_model, tiny_pixels, tiny_sequence
+from _models import forward_kwargs, padded, run_upstream, tiny_model, tiny_pixels, tiny_sequence, word_tokenizer
 
 ALL = patchable()
 FAMILIES = one_per_shape(ALL)
@@ -162,17 +162,6 @@ def test_trainer_with_the_flattening_collator_one_example_per_batch(tmp_path):
     assert len(want) == 3 and got == pytest.approx(want, rel=1e-4, abs=1e-4)
 
 
-def _word_tokenizer():
-    """A tokenizer built here (nothing is downloaded): one word per id of the tiny models' vocabulary."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(256)}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t1")), pad_token="t0",
-                                   eos_token="t2")
-
-
 def _sft_losses(model, name, padding_free, tmp_path):
     trl = pytest.importorskip("trl", reason="TRL 1.x is installed by the tox envs of transformers >= 4.56.2; "
                               "older TRL collates padding-free rows without position ids unless the model runs "
@@ -193,7 +182,7 @@ def _sft_losses(model, name, padding_free, tmp_path):
     args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=3, max_steps=3, learning_rate=1e-3,
                          logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
                          padding_free=padding_free, max_length=None, bf16=False, gradient_checkpointing=True)
-    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=examples, processing_class=_word_tokenizer(),
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=examples, processing_class=word_tokenizer(),
                              callbacks=[Record()])
     trainer.train()
     return losses

@@ -21,7 +21,7 @@ from tfcompat.packing import pack
 
 from _dist import assert_ok, merged, run_cases, spawn
 from _helpers import patchable
-from _models import forward_kwargs, padded, tiny_model, tiny_pixels, tiny_sequence
+from _models import forward_kwargs, padded, tiny_model, tiny_pixels, tiny_sequence, word_tokenizer
 
 pytestmark = pytest.mark.xdist_group("distributed")
 
@@ -160,11 +160,16 @@ def _groups(layout):
     return dict(ulysses_group=mesh["sp"].get_group())
 
 
+def _trainer_env(rank):
+    """What accelerate (under transformers.Trainer) reads to find the process group this rank already joined."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
+
+
 def _worker_case(rank, folder, case, name, layout, client):
     import transformers
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
+    _trainer_env(rank)
     model = _model(case, name)
     tfcompat.patch(model, slice_inputs=True, **_groups(layout))
     out = os.path.join(folder, case)
@@ -173,7 +178,7 @@ def _worker_case(rank, folder, case, name, layout, client):
 
         args = _args(out, trl=trl, padding_free=True, **_batching(case, WORLD))
         losses, params = _train(_sp_trainer(trl.SFTTrainer), model, args, _sft_dataset(name),
-                                processing_class=_word_tokenizer())
+                                processing_class=word_tokenizer())
     else:
         vision = SPECS[name].vision
         collator = _PackedVLCollator(model) if vision else transformers.DataCollatorWithFlattening()
@@ -210,16 +215,6 @@ def _sft_dataset(name):
     return datasets.Dataset.from_list([dict(e, labels=[-100] + e["input_ids"][1:]) for e in _examples(name)])
 
 
-def _word_tokenizer():
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(256)}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t1")), pad_token="t0",
-                                   eos_token="t2")
-
-
 def _have_trl():
     try:
         import trl  # noqa: F401
@@ -244,8 +239,7 @@ def _refusals_case(rank, folder):
 
     from tfcompat.errors import UlyssesError
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
+    _trainer_env(rank)
     flat = transformers.DataCollatorWithFlattening()
     groups = _groups("dp2xsp2")
     tries = {"not patched for sequence parallelism": ({}, flat, {}),
@@ -298,7 +292,7 @@ def _reference(case, name, client, folder):
         import trl
 
         return _train(trl.SFTTrainer, model, _args(out, trl=trl, **_batching(case, 1)), _sft_dataset(name),
-                      processing_class=_word_tokenizer())
+                      processing_class=word_tokenizer())
     vision = SPECS[name].vision
     return _train(transformers.Trainer, model, _args(out, **_batching(case, 1)), _examples(name, vision),
                   _PaddedCollator(model))
