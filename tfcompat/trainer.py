@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import UlyssesError
+from .ulysses import slice_for_rank
 
 __all__ = ["SequenceParallelMixin", "sequence_groups"]
 
@@ -143,8 +144,6 @@ class SequenceParallelMixin:
         inputs["use_cache"] = False
         outputs = model(**inputs)
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
-        from .ulysses import slice_for_rank
-
         mine = slice_for_rank(shift.to(logits.device), dim=1, pad_value=-100, **split)
         if mine.shape != logits.shape[:-1]:
             raise UlyssesError(f"{_WHAT}: the model returned logits of shape {tuple(logits.shape)} for a share of "

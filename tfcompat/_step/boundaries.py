@@ -170,11 +170,10 @@ def find_step(state, group, explicit, position_ids, mask, batch, local, device):
     world = state.world * state.cworld if group is not None else 1
     total = local * world
     row = local
-    seq_idx = explicit.get("seq_idx")
     if group is not None and state.slice_inputs:
         # the whole-row call: seq_idx numbers the tokens of the row every rank passed (the row before its padding
         # to the group's multiple, as cu_seq_lens end at it)
-        whole = getattr(seq_idx, "shape", ())
+        whole = getattr(explicit.get("seq_idx"), "shape", ())
         row = int(whole[-1]) if len(whole) == 2 and 0 < int(whole[-1]) <= total else total
     cu, source, explicit = _given_cu(explicit, batch, row, device)
     if isinstance(mask, dict):
