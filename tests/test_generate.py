@@ -80,8 +80,10 @@ def _overrides(name, path):
     return {}
 
 
-def _generate(model, name, path, ids, mask, pixels, kw, assistant=None):
+def _generate(model, name, path, ids, mask, pixels, kw, assistant=None, types=True):
     extra = forward_kwargs(model, ids, **pixels)
+    if not types:  # as 4.x callers and processors call it
+        extra.pop("mm_token_type_ids", None)
     if path == "assisted":
         kw = dict(kw, assistant_model=assistant)
     out = model.generate(input_ids=ids, attention_mask=mask, **extra, **kw)
@@ -126,3 +128,35 @@ def test_generate_path_equals_the_unpatched_model(name, path):
     assert torch.equal(*sequences), (path, sequences)
     for step, (g, w) in enumerate(zip(getattr(got, "logits", None) or (), getattr(want, "logits", None) or ())):
         assert torch.equal(g, w), f"{path}: logits of step {step}"
+
+
+VL_CASES = [(n, p) for n in NAMES for p in PATHS if SPECS[n].vision and p != "sliding_window" and
+            (p != "compiled" or n in COMPILED)]
+
+
+@pytest.mark.parametrize("name,path", VL_CASES)
+def test_generate_without_mm_token_type_ids_equals_the_unpatched_model_with_them(name, path):
+    """An RL rollout written for 4.x: generate() with an image and no ``mm_token_type_ids``. 5.16+ places the
+    vision tokens in generate() before any forward (``rope_deltas`` 0 without them: every decoding step on text
+    positions); the patched model supplies them there too, so it decodes as the unpatched model given what the
+    5.x processor returns (with them). Where the release's forward takes no ``mm_token_type_ids`` both calls are
+    the same call."""
+    ids, mask, pixels, kw = _call(name, path)
+    plain = tiny_model(name)
+    helper = tiny_model(name, seed=1) if path == "assisted" else None
+    try:
+        want = _generate(plain, name, path, ids, mask, pixels, kw, helper)
+    except UPSTREAM_LIMITS as exc:
+        pytest.skip(f"the unpatched model's own generate() cannot run {path} here: {type(exc).__name__}: "
+                    f"{str(exc)[:200]}")
+    torch._dynamo.reset()
+    model = tiny_model(name)
+    tfcompat.patch(model)
+    if helper is not None:
+        helper = tiny_model(name, seed=1)
+        tfcompat.patch(helper)
+    got = _generate(model, name, path, ids, mask, pixels, kw, helper, types=False)
+    sequences = [getattr(x, "sequences", x) for x in (got, want)]
+    assert torch.equal(*sequences), (path, sequences)
+    tfcompat.unpatch(model)
+    assert "_prepare_position_ids_for_generation" not in model.__dict__

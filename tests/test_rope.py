@@ -1,5 +1,7 @@
 """apply_rope against the installed transformers' own rotary application (the oracle)."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from _helpers import (
     BOUNDARY_ONLY,
     TOL,
     installed,
+    modeling,
     one_per_rope_kernel,
     position_ids,
     rope_impls,
@@ -569,3 +572,48 @@ def test_rope_edges_equal_upstream_or_refuse(name, edge):
             assert (h.dtype, h.shape) == (w.dtype, w.shape), (impl, label)
             where = f"{name} {edge} {impl} {label}"
             torch.testing.assert_close(h, w, **TOL[w.dtype], msg=lambda m, where=where: f"{where}: {m}")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_backward_of_a_sum_equals_upstream(name):
+    """``(q_out.sum() + k_out.sum()).backward()``: the gradients arrive expanded (stride 0 everywhere). GLM's GPT-J
+    rotation on the native kernel used to raise torch's raw "last dimension with stride 1" there."""
+    config, cos, sin, q, k, _ = _inputs(name, 2, 9, torch.float32, 1, seed=5)
+    oracle = upstream_rope(name, config)
+
+    def grads(fn):
+        a, b = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
+        oq, ok = fn(a * 1, b * 1)
+        (oq.sum() + ok.sum()).backward()
+        return a.grad, b.grad
+
+    want = grads(lambda a, b: oracle(a, b, cos, sin))
+    for impl in rope_impls():
+        got = grads(lambda a, b, impl=impl: apply_rope(a, b, cos, sin, config=config, impl=impl))
+        for g, w, what in zip(got, want, ("q.grad", "k.grad")):
+            torch.testing.assert_close(g, w, **TOL[torch.float32],
+                                       msg=lambda m, impl=impl, what=what: f"{name} {impl} {what}: {m}")
+
+
+@pytest.mark.parametrize("sections", ["one", "two", "three"])
+@pytest.mark.parametrize("impl", rope_impls())
+def test_every_section_list_upstream_accepts_equals_upstream(sections, impl):
+    """Unfolded 3-row mRoPE cos with a section list of 1, 2 or 3 entries: upstream folds ``section * 2`` cycling
+    T, H, W, so a list of 1 or 2 entries folds each half differently. Every impl equals upstream's function (the
+    fused kernel folds 3 entries; it hands shorter lists to the composite, and says so when asked by name)."""
+    name = next((n for n in FAMILIES if SPECS[n].vision and "apply_multimodal_rotary_pos_emb" in
+                 vars(modeling(n))), None)
+    if name is None:
+        pytest.skip("no installed VL family keeps apply_multimodal_rotary_pos_emb")
+    config, cos, sin, q, k, _ = _inputs(name, 2, 7, torch.float32, 1, seed=3)
+    half = cos.shape[-1] // 2
+    section = {"one": [half], "two": [half // 2, half - half // 2],
+               "three": [half - 2 * (half // 4), half // 4, half // 4]}[sections]
+    want = modeling(name).apply_multimodal_rotary_pos_emb(q, k, cos, sin, section)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = apply_rope(q, k, cos, sin, config=config, mrope_section=section, impl=impl)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOL[torch.float32], msg=lambda m: f"{name} {impl} {section}: {m}")
+    said = [str(w.message) for w in seen if "the composite computed it" in str(w.message)]
+    assert bool(said) == (impl == "triton" and sections != "three"), said

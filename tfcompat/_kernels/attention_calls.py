@@ -169,7 +169,8 @@ def proven(kind, call, reference, q, k, v, causal, scale, window):
     bounds = [0, cut, n] if n > cut else [0, n]
 
     def both_ways(fn, dtype):
-        pieces = [t.detach()[:n].to(dtype).requires_grad_(True) for t in (q, k, v)]
+        # copies: the caller's tensors may be inference tensors (a rollout), which cannot require gradients
+        pieces = [t.detach()[:n].to(dtype, copy=True).requires_grad_(True) for t in (q, k, v)]
         with torch.enable_grad():
             out = fn(*pieces)
             grads = torch.autograd.grad(out, pieces, pieces[0].detach().to(out.dtype))

@@ -93,6 +93,10 @@ def _run(x, out, trig, seq_dim):
     step = max(1, _SLICE_ELEMENTS // max(1, x.numel() // max(1, length)))
     inplace = out is x
     fast = trig.freqs is not None
+    if fast and not inplace and not complex_viewable(x):
+        # a gradient that arrives expanded (``out.sum().backward()``: stride 0) or strided: the complex view needs
+        # adjacent pairs, so it is read once into a dense copy
+        x = x.contiguous()
     native_complex = fast and x.dtype in (torch.float32, torch.float64)
     half_x = x.dtype in (torch.bfloat16, torch.float16)
     parts, freqs = trig.parts32 if half_x else trig.parts, trig.freqs

@@ -24,7 +24,8 @@ def proven(q, k, cos, sin, layout, seq_dim, inplace, rotation, gptj_cos, explici
 
     def piece():
         qs, ks = (t.detach()[:1].narrow(seq_dim, 0, n).clone() for t in (q, k))
-        cs, ss = ((t.detach()[:, :1] if rows3 else t.detach()[:1]).narrow(-2, 0, n) for t in (cos, sin))
+        # cloned too: under inference_mode the caller's cos/sin are inference tensors, which autograd cannot save
+        cs, ss = ((t.detach()[:, :1] if rows3 else t.detach()[:1]).narrow(-2, 0, n).clone() for t in (cos, sin))
         return qs, ks, cs, ss
 
     def both_ways(rotate, dtype=None):

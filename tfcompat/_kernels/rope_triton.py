@@ -166,12 +166,26 @@ def _bhsd(x, seq_dim):
     return x if seq_dim == 2 else x.transpose(1, 2)
 
 
-def fits(q, k, cos, seq_dim, section=None):
-    """Whether one launch can serve q and k: the kernel walks both with q's batch, sequence and head_dim, and
-    folds at most three mRoPE sections (T, H, W)."""
+def unfit(q, k, cos, seq_dim, section=None):
+    """Why one launch cannot serve q and k ('' when it can): the kernel walks both with q's batch, sequence and
+    head_dim, and folds exactly three mRoPE sections (T, H, W), the same list in each half. Upstream folds
+    ``section * 2`` cycling T, H, W, which for a list of 1 or 2 entries differs between the halves: those lists
+    go to the composite, which folds them as upstream does."""
     q4, k4 = _bhsd(q, seq_dim), _bhsd(k, seq_dim)
-    return q4.shape[0] == k4.shape[0] and q4.shape[2:] == k4.shape[2:] and q.dtype == k.dtype and \
-        cos.shape[-3] in (1, q4.shape[0]) and (section is None or len(section) <= 3)
+    if q4.shape[0] != k4.shape[0] or q4.shape[2:] != k4.shape[2:] or q.dtype != k.dtype:
+        return (f"q {tuple(q4.shape)} {q.dtype} and k {tuple(k4.shape)} {k.dtype} differ in batch, sequence, "
+                f"head_dim or dtype (upstream broadcasts them)")
+    if cos.shape[-3] not in (1, q4.shape[0]):
+        return f"cos of batch {cos.shape[-3]} for q of batch {q4.shape[0]}"
+    if section is not None and len(section) != 3:
+        return (f"the mRoPE section list {list(section)} has {len(section)} entries (the kernel folds exactly 3: "
+                f"T, H, W)")
+    return ""
+
+
+def fits(q, k, cos, seq_dim, section=None):
+    """Whether one launch can serve q and k (:func:`unfit` says why not)."""
+    return not unfit(q, k, cos, seq_dim, section)
 
 
 def _check_launch(q4, k4, qo4, ko4, cos, sin, rows3, section):
@@ -191,7 +205,7 @@ def _check_launch(q4, k4, qo4, ko4, cos, sin, rows3, section):
     if cos.shape != sin.shape or cos.dim() != (4 if rows3 else 3) or cos.shape[-3] not in (1, batch) or \
             cos.shape[-2] != seq or cos.shape[-1] > dim or cos.shape[-1] % 2 or cos.shape[-1] == 0:
         problems.append(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} do not fit q {tuple(q4.shape)}")
-    if rows3 and (cos.shape[0] != 3 or section is None or not 1 <= len(section) <= 3 or
+    if rows3 and (cos.shape[0] != 3 or section is None or len(section) != 3 or
                   2 * sum(section) != cos.shape[-1]):
         problems.append(f"3-row cos {tuple(cos.shape)} with sections {section}")
     rows = batch * seq * max(q4.shape[1], k4.shape[1])
@@ -246,11 +260,24 @@ def _plan(q, k, qo, ko, cos, sin, layout, seq_dim, inverse):
     return grid, args, meta
 
 
+def launch_context(device):
+    """Where a launch for tensors on ``device`` goes: that device made current, so Triton launches on it and on its
+    current stream (a layer on ``cuda:1`` under ``device_map="auto"`` or a pipeline stage, while ``cuda:0`` is
+    current, would otherwise launch on cuda:0's stream with cuda:1's pointers). Pure: builds the context only."""
+    import contextlib
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
 def _launch(q, k, qo, ko, cos, sin, layout, seq_dim, inverse):
-    """One launch over q's rows and k's (k=None: q's only)."""
+    """One launch over q's rows and k's (k=None: q's only), on q's device and that device's current stream."""
     global launches
     grid, args, meta = _plan(q, k, qo, ko, cos, sin, layout, seq_dim, inverse)
-    _rope_kernel[grid](*args, **meta)
+    with launch_context(q.device):
+        _rope_kernel[grid](*args, **meta)
     launches += 1
 
 

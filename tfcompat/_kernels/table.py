@@ -13,12 +13,13 @@ report it; an explicit choice raises. The comparison syncs with the host once pe
 costs one dictionary look-up a call. Pure tensor code: nothing here reads transformers.
 """
 
+import contextlib
 import threading
 import time
 import warnings
 from typing import NamedTuple, Optional
 
-__all__ = ["Impl", "TABLE", "rows", "first_use", "passed", "proven", "forget"]
+__all__ = ["Impl", "TABLE", "rows", "first_use", "passed", "proven", "forget", "blocked", "isolated"]
 
 
 class Impl(NamedTuple):
@@ -48,11 +49,14 @@ def rows(op):
     return sorted((r for r in TABLE if r.op == op), key=lambda r: -r.priority)
 
 
-# (op, name, device, key) -> {"ok", "max_abs_diff", "tolerance", "seconds", "error", "warned"}
+# (op, name, device, key) -> {"ok", "max_abs_diff", "tolerance", "seconds", "error", "warned", "mode"}
 _PROVEN: dict = {}
 # callers' cheap keys of passed proofs: one set look-up a call once proven
 _PASSED: set = set()
-_LOCK = threading.Lock()
+# re-entrant: a proof that reaches first_use again on its own thread (it never should: :func:`isolated`) finds its
+# slot in _PROVING and takes the proven path instead of waiting on itself
+_LOCK = threading.RLock()
+_PROVING: set = set()
 
 # |got - want| <= tol * max(1, max |want|) per output dtype, want computed in fp32 from the same inputs: a kernel
 # that computes in fp32 and rounds once is within half an ulp of its output dtype (the bound: 2-4 ulps); a wrong
@@ -84,18 +88,40 @@ def first_use(op, name, device, key, run, reference, explicit, fast=None):
     ``run()`` and ``reference()`` return tuples of tensors (outputs and gradients) of the kernel and of the proven
     path on a small slice. ``explicit``: the caller asked for this kernel by name: a failed proof raises a
     ``TfcompatError`` instead of falling back. ``fast``: the caller's cheap key, remembered when the proof passed
-    (see :func:`passed`)."""
+    (see :func:`passed`).
+
+    The proof runs apart from the caller's autograd context (:func:`isolated`): under a checkpointed layer's
+    saved-tensor hooks, a selective-checkpoint dispatch mode, autocast, ``no_grad`` or ``inference_mode`` it computes
+    what it computes at top level. Where no proof can run (a compiled region, a CUDA graph capture: :func:`blocked`)
+    nothing is recorded: ``auto`` takes the proven path for that call, an explicit choice raises saying to warm up."""
     from ..errors import TfcompatError
 
     slot = (op, name, str(device), key)
     record = _PROVEN.get(slot)
-    if record is None and _compiling():
-        return False  # a proof reads its result on the host: not inside a compiled region (an eager call proves it)
+    if record is not None and not record["ok"] and record["mode"] != _mode() == "grad":
+        record = None  # failed under no_grad / inference_mode: a training call proves it again, once
     if record is None:
+        why = blocked(_compiling(), _capturing(device))
+        if why:
+            if explicit:
+                raise TfcompatError(
+                    f"tfcompat: the {name} {op} kernel has not proven itself on {device} for {key}, and no proof "
+                    f"can run {why}. Warm up first: run one eager call with the same shapes and dtypes before "
+                    f"compiling or capturing (it proves the kernel once per process), or use impl='auto'")
+            return False  # the proven path serves this call; nothing is recorded, an eager call proves the kernel
         with _LOCK:
+            if slot in _PROVING:  # re-entered by the proof itself: the proven path, nothing recorded
+                return False
             record = _PROVEN.get(slot)
+            if record is not None and not record["ok"] and record["mode"] != _mode() == "grad":
+                record = None
             if record is None:
-                record = _PROVEN[slot] = _prove(run, reference)
+                _PROVING.add(slot)
+                try:
+                    record = _prove(run, reference, device)
+                finally:
+                    _PROVING.discard(slot)
+                _PROVEN[slot] = record
     if record["ok"]:
         if fast is not None:
             _PASSED.add(fast)
@@ -114,24 +140,72 @@ def first_use(op, name, device, key, run, reference, explicit, fast=None):
     return False
 
 
+def blocked(compiling, capturing):
+    """Why no first-use proof may run now ('' when one may): pure, so the GPU-only case is tested on CPU. A proof
+    reads its verdict on the host, which a compiled region cannot trace and which invalidates a CUDA graph
+    capture."""
+    if compiling:
+        return "inside a region torch.compile traces"
+    if capturing:
+        return "while the stream captures a CUDA graph (torch.cuda.graph / make_graphed_callables)"
+    return ""
+
+
+def _capturing(device):
+    import torch
+
+    return str(device).startswith("cuda") and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _mode():
+    import torch
+
+    if torch.is_inference_mode_enabled():
+        return "inference"
+    return "grad" if torch.is_grad_enabled() else "no_grad"
+
+
+def _keep(t):
+    return t
+
+
+@contextlib.contextmanager
+def isolated(device):
+    """The caller's autograd context set aside for a proof: grad mode on, inference mode off, autocast off, the
+    saved-tensor hooks of a checkpointed region replaced by plain saving (a non-reentrant checkpoint would otherwise
+    recompute the whole layer, and with it this first use, when the proof differentiates), and the dispatch modes of
+    selective checkpointing suspended (they would record the proof's ops as the layer's own)."""
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    kind = torch.device(device).type
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.inference_mode(False))
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(_disable_current_modes())
+        for dev in {"cpu", kind}:
+            stack.enter_context(torch.autocast(dev, enabled=False))
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_keep, _keep))
+        yield
+
+
 def _compiling():
     import torch
 
     return torch.compiler.is_compiling()
 
 
-def _prove(run, reference):
+def _prove(run, reference, device):
     start = time.perf_counter()
     record = {"ok": False, "max_abs_diff": float("nan"), "tolerance": None, "seconds": 0.0, "error": None,
-              "warned": False}
-    import torch
-
+              "warned": False, "mode": _mode()}
     try:
-        # under inference_mode (generation) or no_grad too: the proof's slices are ordinary tensors with autograd
-        with torch.inference_mode(False), torch.enable_grad():
-            got = run()
-            want = reference()
-        record["max_abs_diff"], record["ok"], record["tolerance"] = _compare(got, want, got[0].dtype)
+        # under inference_mode (generation), no_grad or a checkpointed layer too: the proof's slices are ordinary
+        # tensors (cloned inside), differentiated by their own graph
+        with isolated(device):
+            got = tuple(t.detach() for t in run())
+            want = tuple(t.detach() for t in reference())
+            record["max_abs_diff"], record["ok"], record["tolerance"] = _compare(got, want, got[0].dtype)
     except Exception as exc:  # a compile or launch error is a failed proof, with its reason
         record["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
     record["seconds"] = round(time.perf_counter() - start, 4)
@@ -140,7 +214,8 @@ def _prove(run, reference):
 
 def proven():
     """What this process has proven (or found failing): one dict per (op, kernel, device, key)."""
-    return [dict(op=op, kernel=name, device=device, key=key, **{k: v for k, v in rec.items() if k != "warned"})
+    return [dict(op=op, kernel=name, device=device, key=key,
+                 **{k: v for k, v in rec.items() if k not in ("warned", "mode")})
             for (op, name, device, key), rec in list(_PROVEN.items())]
 
 
@@ -154,3 +229,4 @@ def forget():
     with _LOCK:
         _PROVEN.clear()
         _PASSED.clear()
+        _PROVING.clear()

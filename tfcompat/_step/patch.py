@@ -114,8 +114,10 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
                          tuple(windows[id(m)] for m, kind in targets if kind == "attention"), windows_how, cworld)
     if targets:
         model.__dict__[_MODEL_ATTR] = record
+        _top.install_generation_positions(model, fam)
     else:
         model.__dict__.pop(_MODEL_ATTR, None)
+        _top.uninstall_generation_positions(model)
     return record
 
 
@@ -239,6 +241,7 @@ def unpatch(model: torch.nn.Module) -> bool:
     Returns True if anything was patched.
     """
     record = model.__dict__.pop(_MODEL_ATTR, None)
+    _top.uninstall_generation_positions(model)
     found = False
     for m in model.modules():
         m.__dict__.pop(_MODEL_ATTR, None)

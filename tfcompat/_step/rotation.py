@@ -10,6 +10,7 @@ per-layer code does no choosing, folding or casting.
 from __future__ import annotations
 
 import os
+import warnings
 
 from .._probe import backends as _backends
 from .._probe.families import family as family_of
@@ -114,9 +115,15 @@ class Rotation:
 
     def _triton(self, fam, q, k, cos, sin, explicit):
         mod = _triton_for(fam, q)
-        if compiling() or not self.cacheable or not mod.fits(q, k, cos, self.seq_dim, self.section):
-            # traced by torch.compile / differentiated through cos and sin / q and k of different batches or
-            # dtypes (upstream broadcasts them): the composite computes what upstream does
+        if compiling():
+            return False  # traced by torch.compile: the composite, which the compiler fuses (documented)
+        why = "cos/sin need gradients (the kernel differentiates q and k only)" if not self.cacheable else \
+            mod.unfit(q, k, cos, self.seq_dim, self.section)
+        if why:
+            # the composite computes what upstream does; an explicit impl="triton" is told so, once per reason
+            if explicit:
+                _say_once(f"tfcompat apply_rope(impl='triton') for {fam.name}: the fused kernel cannot serve this "
+                          f"call ({why}); the composite computed it (exact, as upstream)")
             return False
         layout = mod.Layout(self.rotation, self.res.plan.gptj_cos, self.section)
         # first use in this process for this (device, dtype, layout) proves the kernel against the composite
@@ -150,6 +157,15 @@ class Rotation:
             q, k = kernels.deinterleave(q, inplace), kernels.deinterleave(k, inplace)
         return (kernels.rotate(q, self.cos, self.sin, self.trig, self.seq_dim, inplace=inplace),
                 kernels.rotate(k, self.cos, self.sin, self.trig, self.seq_dim, inplace=inplace))
+
+
+_SAID: set = set()
+
+
+def _say_once(message):
+    if message not in _SAID:
+        _SAID.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 def for_layers(carried, q, k, family, section, res):

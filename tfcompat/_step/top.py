@@ -246,3 +246,53 @@ def check_vision_in_packed_row(owner, family, a, explicit):
             f"tfcompat {family}: a sequence of the packed row starts at token {first}, inside the "
             f"placeholder tokens of an image or video; every image and video must lie within one sequence; "
             f"check the boundaries (cu_seq_lens_q or the text row of the position ids)")
+
+
+_GENERATION_HOOK = "_prepare_position_ids_for_generation"
+
+
+def install_generation_positions(model, family):
+    """5.x generate() places vision tokens before any forward runs: the VL classes' override of
+    ``_prepare_position_ids_for_generation`` reads ``mm_token_type_ids`` from generate's keyword arguments, and
+    without them sets ``rope_deltas`` to 0, so every decoding step runs on text positions (5.16+). Callers written
+    for 4.x (and the forward tfcompat patches, which supplies them) pass none. On the patched model that override
+    gets them from ``input_ids`` first, in generate's own keyword arguments, so every later step (cache updates,
+    beam search, prompt lookup, assisted decoding) sees what the processor would have returned. Bound as a method
+    of the instance (a deep copy binds its own). Returns whether it was installed."""
+    import types
+
+    hook = getattr(type(model), _GENERATION_HOOK, None)
+    if hook is None or not family.vision or "mm_token_type_ids" not in _signature(type(model)).parameters:
+        return False
+    if "model_kwargs" not in _signature_of(hook):
+        return False  # another shape of the hook than the one read here: upstream's own, unchanged
+    model.__dict__[_GENERATION_HOOK] = types.MethodType(_generation_positions, model)
+    return True
+
+
+def uninstall_generation_positions(model):
+    model.__dict__.pop(_GENERATION_HOOK, None)
+
+
+def _signature_of(fn):
+    import inspect
+
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+
+
+def _generation_positions(self, inputs_tensor, model_kwargs):
+    import torch
+
+    ids = model_kwargs.get("input_ids")
+    if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > 0):
+        ids = inputs_tensor
+    grids = model_kwargs.get("image_grid_thw") is not None or model_kwargs.get("video_grid_thw") is not None
+    if grids and model_kwargs.get("mm_token_type_ids") is None and isinstance(ids, torch.Tensor) and \
+            ids.dim() == 2 and not ids.is_floating_point():
+        from .._probe.tokens import mm_token_type_ids
+
+        model_kwargs["mm_token_type_ids"] = mm_token_type_ids(self.config, ids)
+    return getattr(type(self), _GENERATION_HOOK)(self, inputs_tensor, model_kwargs)
