@@ -9,6 +9,7 @@ examples (derandomized); a rank that diverges ends by the process group's timeou
 
 import collections
 import functools
+import inspect
 import os
 import sys
 import time
@@ -67,15 +68,24 @@ def _example(name, how, whole, embeds, source, labels, lengths, counts):
     if source == "seq_idx":
         seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).view(1, -1)
         kw["seq_idx"] = cut(seq)
-    if labels:
+    if labels == "shift_labels" and not any(p.kind == p.VAR_KEYWORD for p in
+                                            inspect.signature(type(model).forward).parameters.values()):
+        labels = "labels"  # a forward that takes no shift_labels (4.51's Qwen2-VL): labels alone
+    if labels != "none":
         kw["labels"] = cut(pk.input_ids)
+    if labels == "shift_labels":  # the row's targets (the next token of the same sequence), sliced as the inputs
+        shift = torch.nn.functional.pad(pk.input_ids[:, 1:], (0, 1), value=-100)
+        shift[0, pk.cu_seqlens[1:].long() - 1] = -100
+        kw["shift_labels"] = shift if whole else slice_for_rank(shift, dim=1, pad_value=-100, **split)
+        kw["num_items_in_batch"] = int((shift != -100).sum())
     try:
         with torch.no_grad():
             if source == "packed(cu)":
                 with packed(pk.cu_seqlens, pk.max_seqlen):
-                    local = model(**kw).logits
+                    out = model(**kw)
             else:
-                local = model(**kw).logits
+                out = model(**kw)
+            local = out.logits
     except TfcompatError as exc:
         if os.environ.get("TFCOMPAT_TEST_VERBOSE") and dist.get_rank() == 0:
             print(f"    -> {str(exc)[:160]}", file=sys.stderr, flush=True)
@@ -85,6 +95,17 @@ def _example(name, how, whole, embeds, source, labels, lengths, counts):
     valid = mask.bool()
     torch.testing.assert_close(got[valid], want[valid], rtol=1e-4, atol=1e-4,
                                msg=lambda m: f"{name} {how} whole={whole} {source} labels={labels}: {m}")
+    if labels != "none":
+        # the only labels a share may pass come with the row's shifted targets and count: the ranks' losses (sums
+        # over their targets, divided by the row's count) add up to the padded batch's mean loss
+        assert labels == "shift_labels", f"{name} {how} whole={whole} {source}: labels of a share were not refused"
+        with torch.no_grad():
+            want_loss = plain(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+        total = out.loss.detach().clone()
+        dist.all_reduce(total)  # every layout here shares one row over all the ranks
+        torch.testing.assert_close(total, want_loss, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"{name} {how} {source}: the ranks' losses: {m}")
+        counts[f"{how}/{source}: loss equals oracle"] += 1
     counts[f"{how}/{source}: equals oracle"] += 1
 
 
@@ -94,7 +115,7 @@ def _fuzz_worker(rank, world, counts):
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     @given(name=st.sampled_from(NAMES), how=st.sampled_from(["ulysses", "context", "2x2"]), whole=st.booleans(),
-           embeds=st.booleans(), labels=st.booleans(),
+           embeds=st.booleans(), labels=st.sampled_from(["none", "labels", "shift_labels"]),
            source=st.sampled_from(["positions", "cu", "cu+positions", "seq_idx", "packed(cu)", "none"]),
            lengths=st.lists(st.integers(1, 9), min_size=1, max_size=4))
     def fuzz(name, how, whole, embeds, labels, source, lengths):
@@ -125,3 +146,4 @@ def test_sequence_parallel_shards_fuzz(per_rank):
         print(f"  {key}: {count}")
     assert sum(counts[0].values()) >= EXAMPLES // 2
     assert any("equals oracle" in k for k in counts[0]), counts[0]
+    assert any("loss equals oracle" in k for k in counts[0]), counts[0]

@@ -68,7 +68,25 @@ def _packed_labels(state, kwargs):
 
 
 def _refuse_whole_row_labels(state, kwargs):
-    if state.slice_inputs and state.split() and kwargs.get("labels") is not None:
+    """Labels under a sequence-parallel split. A share (every rank its part of a packed row): upstream's loss
+    shifts them inside the share, so the target of the share's last token (the next share's first label) is lost
+    and the mean runs over the share: refused unless the caller passes ``shift_labels`` (targets shifted over the
+    whole row, then sliced). A decoding call (generate: each rank its own prompts) is not a share."""
+    if kwargs.get("labels") is None or not state.split():
+        return
+    if not state.slice_inputs:
+        decoding = any(kwargs.get(n) is not None for n in _CACHE_NAMES)
+        if kwargs.get("shift_labels") is None and not decoding:
+            raise UlyssesError(
+                f"tfcompat {state.family}: labels of a sequence-parallel share: upstream's loss shifts them inside "
+                f"this rank's share, so the share's last token loses its target (the next share's first label) and "
+                f"the loss is this share's mean, not the row's. Pass shift_labels as well: the whole row's labels "
+                f"shifted (labels[..., 1:], then -100) and sliced like the inputs (tfcompat.ulysses.slice_for_rank), "
+                f"with num_items_in_batch the row's count of targets, so the ranks' losses sum to the row's; or "
+                f"call without labels and compute the loss from the logits; or train with "
+                f"tfcompat.trainer.SequenceParallelMixin, which does this for transformers.Trainer and TRL")
+        return
+    if state.slice_inputs:
         raise UlyssesError(
             f"tfcompat {state.family}: labels with slice_inputs=True: the model returns this rank's slice of the "
             f"logits, which upstream's loss cannot pair with the whole row's labels; call without labels and "
