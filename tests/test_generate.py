@@ -160,3 +160,56 @@ def test_generate_without_mm_token_type_ids_equals_the_unpatched_model_with_them
     assert torch.equal(*sequences), (path, sequences)
     tfcompat.unpatch(model)
     assert "_prepare_position_ids_for_generation" not in model.__dict__
+
+
+MASKED_CASES = [(n, p) for n in NAMES for p in ("assisted", "left_padding")]
+
+
+@pytest.mark.parametrize("name,path", MASKED_CASES)
+def test_generate_with_the_prompts_last_token_masked_equals_the_unpatched_model(name, path):
+    """transformers' own test_assisted_decoding_matches_greedy_search masks the prompt's last token: 5.x's VL
+    models then hand the text model position ids ``[0 .. n-2, 0, 1]`` under a mask ``[1 .. 1, 0, 1]``. A row with
+    padding is upstream's own path, never a packed row: the patched model runs it as upstream does (it used to
+    refuse it: "position ids go down ... without restarting at 0")."""
+    ids, mask, pixels, kw = _call(name, path)
+    mask = mask.clone()
+    mask[:, -1] = 0
+    plain = tiny_model(name)
+    helper = tiny_model(name, seed=1) if path == "assisted" else None
+    try:
+        want = _generate(plain, name, path, ids, mask, pixels, kw, helper)
+    except UPSTREAM_LIMITS as exc:
+        pytest.skip(f"the unpatched model's own generate() cannot run {path} here: {type(exc).__name__}: "
+                    f"{str(exc)[:200]}")
+    model = tiny_model(name)
+    tfcompat.patch(model)
+    if helper is not None:
+        helper = tiny_model(name, seed=1)
+        tfcompat.patch(helper)
+    got = _generate(model, name, path, ids, mask, pixels, kw, helper)
+    sequences = [getattr(x, "sequences", x) for x in (got, want)]
+    assert torch.equal(*sequences), (path, sequences)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if not SPECS[n].vision])
+def test_a_masked_token_between_positions_is_upstreams_path(name):
+    """The forward generate() makes there, on a text family: positions ``[0 .. n-2, 0, 1]``, mask ``[1 .. 1, 0,
+    1]``: the patched model's logits equal the unpatched model's; real tokens that restart at 0 under padding (a
+    packed row with padding) are still refused."""
+    from tfcompat.errors import PackingError
+
+    n = 7
+    ids = torch.tensor([tiny_sequence(name, text=n + 2)[: n + 2]])
+    pos = torch.tensor([list(range(n)) + [0, 1]])
+    mask = torch.tensor([[1] * n + [0, 1]])
+    plain = tiny_model(name)
+    with torch.no_grad():
+        want = plain(input_ids=ids, position_ids=pos, attention_mask=mask).logits
+    model = tiny_model(name)
+    tfcompat.patch(model)
+    with torch.no_grad():
+        got = model(input_ids=ids, position_ids=pos, attention_mask=mask).logits
+    torch.testing.assert_close(got, want)
+    packed_with_padding = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0, 0]])
+    with pytest.raises(PackingError, match="attention_mask has padding"):
+        model(input_ids=ids, position_ids=packed_with_padding, attention_mask=torch.tensor([[1] * 8 + [0]]))

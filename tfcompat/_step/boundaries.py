@@ -321,6 +321,12 @@ def _step_of_positions(state, group, position_ids, text, kind, valid, total, dev
                 f"4-row ids (tfcompat.packing.pack builds them), cu_seq_lens_q, or wrap the call in "
                 f"tfcompat.packing.packed(cu_seqlens)")
         starts = [0]
+    elif valid is not None and group is None:
+        # a row with padding in its mask is upstream's own path (a padded batch of one, or generate()'s masked
+        # token in assisted decoding: positions [0 .. n-2, 0, 1] under a mask [1 .. 1, 0, 1]), never a packed row:
+        # upstream runs it. Only real tokens that restart at 0 (a packed row with padding) are refused below
+        t = rows[0][valid]
+        starts = [0] + (torch.nonzero(t[1:] == 0).flatten() + 1).tolist() if t.numel() else [0]
     else:
         starts = starts_of(rows[0], valid if group is None else None, kind)
     if len(starts) > 1 and valid is not None:
