@@ -198,3 +198,33 @@ def test_changed_settings_say_from_to_and_why(capsys):
                  "changed num_hidden_layers 24 -> 2 ("):
         assert line in out, out
     assert "imports and loading" in out.splitlines()[0]
+
+
+def test_a_layout_this_machine_cannot_hold_is_refused_before_spawning():
+    """`--context 64` started 64 processes (about 20 GB of 24 GB here, 5 min 48 s). The degrees are checked
+    against the machine first: refused in one line naming how large a layout fits and a smaller one to run."""
+    from tfcompat._tools.check_cmd import rank_limit
+
+    here = (2, 24.0)
+    assert rank_limit(2, 2, here) == "" and rank_limit(2, 4, here) == ""
+    for (u, c), smaller in (((1, 64), "--ulysses 1 --context 8"), ((16, 2), "--ulysses 4 --context 2"),
+                            ((8, 2), "--ulysses 8 --context 1")):
+        why = rank_limit(u, c, here)
+        assert f"would start {u * c} processes" in why and "at most 8" in why and smaller in why, why
+    assert "at most 2" in rank_limit(2, 2, (1, 0.5))  # at least the smallest layout is always allowed
+    assert rank_limit(2, 1, (1, 0.5)) == ""
+
+
+def test_check_refuses_a_layout_too_large_for_the_machine(capsys):
+    path = DATA / "configs" / "Qwen__Qwen3-8B.json"
+    if json.loads(path.read_text())["model_type"] not in installed():
+        pytest.skip("not in this release")
+    import time
+
+    began = time.monotonic()
+    code = main(["check", "--config", str(path), "--context", "64"])
+    out = capsys.readouterr()
+    if "builds another RoPE" in out.out:
+        pytest.skip("this release reads the file otherwise")
+    assert code == 2 and "would start 64 processes" in out.err and "the real heads allow" in out.err, out.err
+    assert time.monotonic() - began < 120  # nothing was spawned

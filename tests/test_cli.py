@@ -266,3 +266,18 @@ def test_check_json_is_the_only_thing_on_stdout(capsys):
     finally:
         handle.remove()
     assert code == 0 and json.loads(out)["passed"], out[:300]
+
+
+@pytest.mark.parametrize("device", ["gpu", "CPU", "garbage", "cuda:abc", "mps", "meta", "xpu", " cpu"])
+@pytest.mark.parametrize("plan", [False, True], ids=["run", "plan"])
+def test_check_device_an_unsupported_device_gets_one_line(device, plan, capsys):
+    """A device string torch does not parse printed torch's raw RuntimeError (whose list suggests mps or meta);
+    --plan printed a plan for mps and meta. Every one gets the same line, exit 2, in both modes."""
+    capsys.readouterr()
+    from tfcompat._tools import cli as _cli
+
+    code = _cli.main(["check", "--device", device, "--family", "qwen2"] + (["--plan"] if plan else []))
+    out = capsys.readouterr()
+    lines = [ln for ln in out.err.splitlines() if ln.strip()]
+    assert code == 2 and out.out == "" and len(lines) == 1, (out.out, out.err)
+    assert "tfcompat check runs on cpu or cuda" in lines[0] and "Traceback" not in out.err, lines[0]

@@ -84,6 +84,9 @@ def _check_model(args):
         why = refusal(allowed, ulysses)
         if why:
             return _check_fail(args, f"{path}: not Ulysses {ulysses} x context {context}: {why}")
+        why = rank_limit(ulysses, context, _machine())
+        if why:
+            return _check_fail(args, f"{path}: {why}; the real heads allow this layout ({allowed['line']})")
     start = time.perf_counter()
     loading = start - began  # imports (transformers, the family's modules), reading and scaling: not the checks
     results = list(_checks.run_family(fam.name, tolerance=args.tolerance, **target))
@@ -209,6 +212,62 @@ def _drift_exit(args, path, drifted):
     return 2
 
 
+#: what one spawned rank of the scaled model's layout check holds (torch, transformers, the tiny model, gloo):
+#: measured 0.31 GiB a rank at 64 ranks of Qwen3-0.6B on the 2-core, 24 GiB machine (20 GiB peak), with margin
+_RANK_GIB = 0.5
+#: spawned ranks per core past which the check's collectives crawl (64 ranks on 2 cores: 5 min 48 s idle)
+_RANKS_PER_CORE = 4
+
+
+def _machine():
+    """(cores, GiB of memory available): what the layout check's ranks share."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open("/proc/meminfo") as fh:
+            info = {line.split(":")[0]: int(line.split()[1]) for line in fh if line.split()[1:2]}
+        gib = info.get("MemAvailable", info.get("MemTotal", 0)) / 2 ** 20
+    except (OSError, ValueError, IndexError):
+        gib = 8.0  # unknown: a small machine
+    return cores, gib
+
+
+def rank_limit(ulysses, context, machine):
+    """Why a layout of ``ulysses * context`` spawned ranks does not fit ``machine`` = (cores, GiB available)
+    ('' when it fits). Pure: the numbers decide, tested without spawning anything."""
+    cores, gib = machine
+    ranks = ulysses * context
+    fits = max(2, min(int(gib // _RANK_GIB), cores * _RANKS_PER_CORE))
+    if ranks <= fits:
+        return ""
+    smaller = []
+    for u in sorted({d for d in (ulysses, 4, 2, 1) if d <= ulysses}, reverse=True):
+        c = min(context, fits // u)
+        if u * c > 1 and c >= 1 and u <= fits:
+            smaller.append(f"--ulysses {u} --context {c}" if context > 1 or c > 1 else f"--ulysses {u}")
+    hint = f"; the same code paths run in a smaller layout: {smaller[0]}" if smaller else ""
+    return (f"Ulysses {ulysses} x context {context} would start {ranks} processes, and this machine ({cores} "
+            f"cores, {gib:.1f} GiB available) holds at most {fits} (about {_RANK_GIB} GiB and 1/{_RANKS_PER_CORE} "
+            f"core each){hint}")
+
+
+def device_refusal(device):
+    """Why ``--device`` names no device tfcompat check runs on ('' when it names cpu or cuda[:N]): one line for
+    a string torch does not parse (``gpu``, ``CPU``, ``cuda:abc``) and for devices torch knows but the check does
+    not run on (mps, xpu, meta), in the plan and in the run alike."""
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError, TypeError):
+        kind = None
+    if kind in ("cpu", "cuda") and device == device.strip():
+        return ""
+    return (f"--device {device!r}: tfcompat check runs on cpu or cuda (cuda:N for one GPU of several); "
+            f"{'torch does not know this device string' if kind is None else kind + ' is not one of them'}")
+
+
 def _check_device(args):
     """``check --device DEV [--dtype T] [--plan]``: the checks on the user's device (``_device_checks``)."""
     from .. import version
@@ -216,6 +275,9 @@ def _check_device(args):
     from . import device_checks as _device_checks
 
     device = args.device or "cuda"
+    refused = device_refusal(device)
+    if refused:
+        return _check_fail(args, refused)
     dtype = args.dtype or ("fp32" if device == "cpu" else "bf16")
     if args.config or args.model:
         return _check_fail(args, "--device runs the families' tiny models; check --config/--model on the CPU")
