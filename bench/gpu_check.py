@@ -39,14 +39,14 @@ def main():
     print(f"torch {torch.__version__}, device {torch.cuda.get_device_name()}, flash-attn usable: "
           f"{flash_attn_available(q)}")
     def against_fallback(label, out, window):
-        """Forward and gradients of one packed-attention kernel against the exact fallback (bf16)."""
-        ref = _sdpa_fallback(q, k, v, cu.tolist(), 64 ** -0.5, True, window, 0.0)
+        """Forward and gradients of one packed-attention kernel against the exact fallback in fp32."""
         go = torch.randn_like(out)
-        ga = torch.autograd.grad(out, (q, k, v), go)
-        gb = torch.autograd.grad(ref, (q, k, v), go)
-        diff = max((out - ref).abs().max().item(), *[(a - b).abs().max().item() for a, b in zip(ga, gb)])
-        print(f"[{'ok' if diff <= 2e-2 else 'FAIL'}] {label} vs fallback bf16: max|diff| {diff:.3g} (tol 2e-2)")
-        return diff > 2e-2
+        got = (out, *torch.autograd.grad(out, (q, k, v), go))
+        want = fp32_reference(lambda a, b, c: _sdpa_fallback(a, b, c, cu.tolist(), 64 ** -0.5, True, window, 0.0),
+                              (q, k, v), go)
+        ok, text = verdict(got, want, q.dtype)
+        print(f"[{'ok' if ok else 'FAIL'}] {label} vs the fp32 fallback: {text}")
+        return not ok
 
     if flash_attn_available(q):
         failures += against_fallback("varlen flash", varlen_attention(q, k, v, cu), None)
@@ -69,12 +69,40 @@ def main():
 
     for res in _device_checks.run(["qwen2_vl"], "cuda", "bf16"):
         failures += not res["passed"]
-        print(f"[{'ok' if res['passed'] else 'FAIL'}] {res['family']} {res['check']} on CUDA: max|diff| "
-              f"{res['max_abs_diff']:.3g} (tol {res['tolerance']:.2g}) {res['error'] or ''}")
+        print(result_line(res))
     failures += piece_alignment(dev)
     del varlen
     failures += rope_speed(dev)
     return 1 if failures else 0
+
+
+def fp32_reference(fn, inputs, grad_out):
+    """fn's output and input gradients computed in fp32 from the same (half-precision) values."""
+    leaves = [t.detach().float().requires_grad_(True) for t in inputs]
+    out = fn(*leaves)
+    return (out, *torch.autograd.grad(out, leaves, grad_out.float()))
+
+
+def verdict(got, want, dtype):
+    """(ok, text): the kernel's outputs and gradients against the fp32 reference by the first-use proofs' rule
+    (|got - want| <= tol * max(1, max |want|), tol 2**-6 for bf16): a kernel that accumulates in fp32 and rounds
+    once passes with gradients of any size (|dv| reaches ~10 here); a wrong row or sign is off by the values' own
+    size. (bf16 against the bf16 fallback at 2e-2 absolute failed a correct FA2-precision kernel by 0.094.)"""
+    from tfcompat._kernels.table import _compare
+
+    worst, ok, tol = _compare(tuple(got), tuple(want), dtype)
+    scale = max(float(w.float().abs().max()) for w in want)
+    return ok, f"max|diff| {worst:.3g} (tol {tol:.2g} x max(1, {scale:.3g}))"
+
+
+def result_line(res):
+    """One line of a ``tfcompat check --device`` result, skipped ones included (they carry no numbers)."""
+    mark = "skip" if res.get("skipped") else "ok" if res["passed"] else "FAIL"
+    if res.get("skipped"):
+        return f"[{mark}] {res['family']} {res['check']} on CUDA: {res['skipped']}"
+    diff = "n/a" if res["max_abs_diff"] is None else f"{res['max_abs_diff']:.3g}"
+    tol = "n/a" if res["tolerance"] is None else f"{res['tolerance']:.2g}"
+    return f"[{mark}] {res['family']} {res['check']} on CUDA: max|diff| {diff} (tol {tol}) {res['error'] or ''}"
 
 
 def pieces_reference(q, k, v, cu_q, cu_k, scale):
@@ -106,7 +134,7 @@ def piece_alignment(dev):
     v = torch.randn(1000, 2, 64, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(True)
     ref = pieces_reference(q, k, v, cu_q, cu_k, 64 ** -0.5)
     go = torch.randn_like(ref)
-    want = torch.autograd.grad(ref, (q, k, v), go)
+    ref32 = fp32_reference(lambda a, b, c: pieces_reference(a, b, c, cu_q, cu_k, 64 ** -0.5), (q, k, v), go)
     kernels = {}
     if varlen.flash_attn_available(q):
         kernels["flash-attn varlen (causal)"] = lambda: _backends.flash_varlen()(
@@ -123,10 +151,9 @@ def piece_alignment(dev):
             print(f"[FAIL] context piece through {label}: {type(exc).__name__}: {exc}")
             failures += 1
             continue
-        diff = max((out - ref).abs().max().item(), *[(a - b).abs().max().item() for a, b in zip(got, want)])
-        ok = diff <= 2e-2
+        ok, text = verdict((out, *got), ref32, q.dtype)
         print(f"[{'ok' if ok else 'FAIL'}] context piece through {label}: "
-              f"{'bottom-right' if ok else 'NOT bottom-right (or wrong)'}, max|diff| {diff:.3g} (tol 2e-2)")
+              f"{'bottom-right' if ok else 'NOT bottom-right (or wrong)'}, {text}")
         failures += not ok
     if not kernels:
         print("[skip] context pieces: neither flash-attn nor torch.nn.attention.varlen here")

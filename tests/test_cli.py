@@ -281,3 +281,42 @@ def test_check_device_an_unsupported_device_gets_one_line(device, plan, capsys):
     lines = [ln for ln in out.err.splitlines() if ln.strip()]
     assert code == 2 and out.out == "" and len(lines) == 1, (out.out, out.err)
     assert "tfcompat check runs on cpu or cuda" in lines[0] and "Traceback" not in out.err, lines[0]
+
+
+def test_check_device_line_names_the_kernel_that_ran():
+    """`check --device cuda` names each line after the kernel the plan picks, but its checks call impl="auto": a
+    kernel that fails its first-use proof hands the call to the proven path, and the line used to read ok. Here a
+    stand-in kernel made to fail its proof during the check: the line names the fallback that ran and fails, with
+    the proof's reason; a stand-in that passes keeps the plan's name and passes."""
+    import warnings
+
+    import torch
+
+    import tfcompat
+    from tfcompat._kernels import table
+    from tfcompat._tools import check_cmd, device_checks
+
+    def check_with(factor):
+        def fn():
+            def kernel():
+                return (torch.ones(3) * factor,)
+
+            def proven():
+                return (torch.ones(3),)
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                table.first_use("rope", "triton", "cpu", ("stand-in",), kernel, proven, False)
+            return 0.0  # the proven path computed the numbers: they agree with the oracle
+        return device_checks._one("qwen2", "rope.triton.bf16", fn, None, 1e-2, "fwd+bwd", ("rope", "triton"))
+
+    tfcompat.clear_cache()
+    good = check_with(1.0)
+    assert good["passed"] and good["check"] == "rope.triton.bf16" and good["error"] is None, good
+    tfcompat.clear_cache()
+    bad = check_with(2.0)
+    assert not bad["passed"] and bad["check"] == "rope.composite(fallback from triton).bf16", bad
+    assert "failed its first-use proof" in bad["error"] and "composite path ran instead" in bad["error"], bad
+    line = check_cmd._check_line(bad, 8)
+    assert "[FAIL]" in line and "fallback from triton" in line and "first-use proof" in line, line
+    tfcompat.clear_cache()

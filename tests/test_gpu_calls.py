@@ -181,3 +181,53 @@ def test_attention_first_use_proof(dtype):
     kinds = {(r["kernel"], r["ok"]) for r in table.proven()}
     assert kinds == {("torch_varlen", True), ("flash_attn", False)}
     tfcompat.clear_cache()
+
+
+def _bench_gpu_check():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_passes_a_correct_fa2_precision_kernel_and_fails_a_wrong_one():
+    """bench/gpu_check.py's rule, run on CPU: its packed-attention inputs (bf16, 1000 tokens, 8/2 heads) through an
+    emulated FA2-precision kernel (bf16 in, fp32 accumulation, bf16 out) pass against the fp32 reference, though
+    they differ from the bf16 fallback by more than the old 2e-2 absolute bound (gradients reach |dv| ~ 10); a
+    kernel that ignores the boundaries fails."""
+    gc = _bench_gpu_check()
+    g = torch.Generator().manual_seed(0)
+    cu = [0, 100, 101, 612, 1000]
+    q, k, v = (torch.randn(1000, h, 64, generator=g).to(torch.bfloat16).requires_grad_(True) for h in (8, 2, 2))
+    scale = 64 ** -0.5
+
+    def fa2(a, b, c, bounds=cu):  # fp32 inside, one rounding to bf16 out (and for each gradient)
+        return _sdpa_fallback(a.float(), b.float(), c.float(), bounds, scale, True, None, 0.0).to(a.dtype)
+
+    go = torch.randn(1000, 8, 64, generator=g).to(torch.bfloat16)
+    want = gc.fp32_reference(lambda a, b, c: _sdpa_fallback(a, b, c, cu, scale, True, None, 0.0), (q, k, v), go)
+    for kernel, passes in ((fa2, True), (lambda a, b, c: fa2(a, b, c, [0, 1000]), False)):
+        out = kernel(q, k, v)
+        got = (out, *torch.autograd.grad(out, (q, k, v), go))
+        ok, text = gc.verdict(got, want, torch.bfloat16)
+        assert ok == passes, text
+    bf16_fallback = _sdpa_fallback(q, k, v, cu, scale, True, None, 0.0)
+    out = fa2(q, k, v)
+    old_rule = max((a - b).abs().max().item() for a, b in zip(
+        (out, *torch.autograd.grad(out, (q, k, v), go)),
+        (bf16_fallback, *torch.autograd.grad(bf16_fallback, (q, k, v), go))))
+    assert old_rule > 2e-2  # what the bench used to compare: it failed this correct kernel
+
+
+def test_gpu_check_prints_a_skipped_check():
+    gc = _bench_gpu_check()
+    line = gc.result_line({"family": "qwen2", "check": "rope.triton.bf16", "passed": True, "skipped": "no rotary",
+                           "max_abs_diff": None, "tolerance": None, "error": None})
+    assert line.startswith("[skip]") and "no rotary" in line
+    line = gc.result_line({"family": "qwen2", "check": "x", "passed": False, "skipped": None,
+                           "max_abs_diff": None, "tolerance": None, "error": "RuntimeError: no"})
+    assert line.startswith("[FAIL]") and "n/a" in line

@@ -101,18 +101,46 @@ def run(names, device, dtype, tolerance=None):
                  (checks[2], lambda n=name: _rope(n, device, dtype, False, True), rotary, _VS_CPU[dtype], "fwd+bwd"),
                  (checks[3], lambda n=name: _checks._packed_vs_padded(n, device=device), patchable,
                   _checks._TOL["attention"], "fwd+bwd")]
-        for check, fn, reason, tol, what in table:
-            yield _one(name, check, fn, reason, tolerance if tolerance is not None else tol, what)
+        for i, (check, fn, reason, tol, what) in enumerate(table):
+            ran = ("rope", check.split(".")[1]) if i < 3 else ("varlen", attention.split(".")[1])
+            yield _one(name, check, fn, reason, tolerance if tolerance is not None else tol, what, ran)
     yield _one("(kernel)", attention, lambda: _varlen(device, dtype), None,
-               tolerance if tolerance is not None else _VS_CPU[dtype] * 4, "fwd+bwd")
+               tolerance if tolerance is not None else _VS_CPU[dtype] * 4, "fwd+bwd",
+               ("varlen", attention.split(".")[1]))
 
 
-def _one(name, check, fn, reason, tol, what):
+#: the proven path ``auto`` falls back to, per operation
+_FALLBACK = {"rope": "composite", "varlen": "sdpa"}
+
+
+def _one(name, check, fn, reason, tol, what, planned=None):
+    """One check's result. ``planned``: (op, kernel) the plan names the check after. The checks call
+    ``impl="auto"``; a planned GPU kernel that fails its first-use proof during the check hands the call to the
+    proven path, which then computes the numbers compared: the line names the kernel that ran, and the check
+    fails with the proof's reason (a fallback is what the device check exists to find)."""
     if reason is not None:
         return {"family": name, "check": check, "compares": what, "max_abs_diff": None, "tolerance": None,
                 "passed": True, "skipped": reason, "seconds": 0.0, "error": None}
+    from .._kernels import table
+
+    def failed():
+        return {(r["op"], r["kernel"], r["device"], r["key"]): r for r in table.proven() if not r["ok"]}
+
+    before = failed()
     result = _checks._result(name, check, fn, tol)
     result.update(compares=what, skipped=None)
+    if planned is not None:
+        op, kernel = planned
+        new = [r for slot, r in failed().items() if slot not in before and slot[:2] == planned]
+        # a failure recorded before this check (an earlier family) still means the kernel did not run here
+        old = [r for slot, r in before.items() if slot[:2] == planned]
+        if new or old:
+            r = (new or old)[0]
+            why = r["error"] or f"max |diff| {r['max_abs_diff']:.3g} against the proven path"
+            result.update(check=check.replace(f".{kernel}.", f".{_FALLBACK[op]}(fallback from {kernel}).", 1)
+                          if f".{kernel}." in check + "." else check, passed=False,
+                          error=f"the {kernel} {op} kernel failed its first-use proof on {r['device']} ({why}); "
+                                f"the {_FALLBACK[op]} path ran instead")
     return result
 
 
