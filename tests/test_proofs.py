@@ -288,3 +288,89 @@ def test_rope_launch_goes_to_the_tensors_device():
     assert isinstance(ctx, torch.cuda.device) and ctx.idx == 1
     assert rope_triton.launch_context("cuda:3").idx == 3
     assert not isinstance(rope_triton.launch_context("cpu"), torch.cuda.device)
+
+
+# --- what a proof sees: kernels wrong in one part of the call must fail it --------------------------------------
+def _wrong_for_last_head(a, b, c, cu, longest):
+    out = _stand_in(a, b, c, cu, longest)
+    return torch.cat((out[:, :-1], out[:, -1:] + 1), dim=1)
+
+
+def _window_ignored_from_32(window):
+    def kernel(a, b, c, cu, longest):
+        return _sdpa_fallback(a, b, c, cu.tolist(), SCALE, True, window if window < 32 else None, 0.0)
+    return kernel
+
+
+@pytest.mark.parametrize("case", ["last_head", "window_40", "window_32"])
+def test_attention_proof_fails_a_kernel_wrong_in_one_part(case):
+    """Every head of the call is in the proof's piece, and one of its sequences is longer than the window: a
+    kernel wrong only for the last head, or one that ignores windows of 32 and more, fails; with a window below
+    32 that kernel is right, and passes."""
+    tfcompat.clear_cache()
+    q, k, v = (torch.randn(20, h, DIM, generator=torch.Generator().manual_seed(h)) for h in (HEADS, KV, KV))
+    window = {"last_head": None, "window_40": 40, "window_32": 32}[case]
+    kernel = _wrong_for_last_head if case == "last_head" else _window_ignored_from_32(window)
+
+    def reference(a, b, c, bounds):
+        return _sdpa_fallback(a, b, c, bounds, SCALE, True, window, 0.0)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert not calls.proven("torch_varlen", kernel, reference, q, k, v, True, SCALE, window)
+    def reference8(a, b, c, bounds):
+        return _sdpa_fallback(a, b, c, bounds, SCALE, True, 8, 0.0)
+
+    assert calls.proven("flash_attn", _window_ignored_from_32(8), reference8, q, k, v, True, SCALE, 8)
+    tfcompat.clear_cache()
+
+
+def test_an_empty_call_proves_nothing():
+    """A kernel that writes zeros passes a proof on an empty call: an empty call is served unproven by the exact
+    path and records nothing."""
+    tfcompat.clear_cache()
+    q, k, v = torch.zeros(0, HEADS, DIM), torch.zeros(0, KV, DIM), torch.zeros(0, KV, DIM)
+    assert not calls.proven("torch_varlen", _stand_in, _reference, q, k, v, True, SCALE, None)
+    assert table.proven() == []
+
+
+@TRITON
+@pytest.mark.parametrize("wrong", ["past_token_8", "last_head", "last_row", "empty"])
+def test_rope_proof_fails_a_kernel_wrong_in_one_part(wrong, monkeypatch):
+    """The fused kernel replaced by one that is wrong only past token 8, only for the last head or only for the
+    last batch row: the proof's slice covers those, so impl="triton" refuses it by name (the proof used to rotate
+    batch row 0, tokens 0-7). An empty call is never a proof: it records nothing."""
+    from tfcompat._kernels import rope_triton
+    from tfcompat.config import rope_parameters
+    from tfcompat.rope import apply_rope
+
+    real = rope_triton.rope
+
+    def bad(q, k, cos, sin, layout, seq_dim, inplace=False):
+        oq, ok = real(q, k, cos, sin, layout, seq_dim, inplace=inplace)
+        if wrong == "past_token_8" and oq.shape[seq_dim] > 8:
+            n = oq.shape[seq_dim]
+            return torch.cat((oq.narrow(seq_dim, 0, 8), oq.narrow(seq_dim, 8, n - 8) + 1), seq_dim), ok
+        head_dim = 1 if seq_dim == 2 else 2
+        if wrong == "last_head":
+            n = oq.shape[head_dim]
+            return torch.cat((oq.narrow(head_dim, 0, n - 1), oq.narrow(head_dim, n - 1, 1) * 2), head_dim), ok
+        if wrong == "last_row" and oq.shape[0] > 1:
+            return torch.cat((oq[:-1], -oq[-1:])), ok
+        return oq, ok
+
+    monkeypatch.setattr(rope_triton, "rope", bad)
+    tfcompat.clear_cache()
+    rot, config = rotary("qwen3")
+    dim = rope_parameters(config).head_dim
+    g = torch.Generator().manual_seed(0)
+    seq = 0 if wrong == "empty" else 12
+    q, k = torch.randn(2, 4, seq, dim, generator=g), torch.randn(2, 2, seq, dim, generator=g)
+    cos, sin = rot(q, torch.arange(seq).expand(2, seq))
+    if wrong == "empty":
+        apply_rope(q, k, cos, sin, config=config, impl="triton")
+        assert table.proven() == []
+    else:
+        with pytest.raises(TfcompatError, match="failed its first-use proof"):
+            apply_rope(q, k, cos, sin, config=config, impl="triton")
+    tfcompat.clear_cache()

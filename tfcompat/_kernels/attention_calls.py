@@ -155,22 +155,29 @@ def passed(kind, q, k, causal, window):
 
 def proven(kind, call, reference, q, k, v, causal, scale, window):
     """First use proves a GPU attention kernel (``table.first_use``): for this (kernel, device, dtype, heads,
-    head_dim, causal, window), once per process, a piece of the call's own q, k, v (up to 48 tokens as two
-    sequences) runs through ``call(q, k, v, cu, max_len)`` and through ``reference(q, k, v, bounds)`` (the exact SDPA
-    path, in fp32), forward and backward. False: the caller runs the reference path instead."""
+    head_dim, causal, window), once per process, a piece of the call's own q, k, v (two sequences: 16 tokens, and
+    one 16 longer than the window; every head) runs through ``call(q, k, v, cu, max_len)`` and through
+    ``reference(q, k, v, bounds)`` (the exact SDPA path, in fp32), forward and backward. False: the caller runs the
+    reference path instead."""
     import torch
 
     fast = _fast(kind, q, k, causal, window)
     if table.passed(fast):  # proven earlier in this process: one set look-up a call
         return True
     key = (str(q.dtype)[6:],) + fast[4:]
-    n = min(q.shape[0], 48)
-    cut = max(1, n // 3)
-    bounds = [0, cut, n] if n > cut else [0, n]
+    if q.shape[0] == 0:
+        return False  # an empty call proves nothing: the exact path serves it, nothing is recorded
+    # two sequences: a short one, and one longer than the window by 16 keys (so a kernel that ignores the window,
+    # or counts it off by one, differs); every head of q, k and v. A row shorter than that is repeated to reach it:
+    # the key proven here serves later calls with longer sequences
+    long = 32 if window is None else window + 16
+    n = 16 + long
+    bounds = [0, 16, n]
+    take = torch.arange(n, device=q.device) % q.shape[0]
 
     def both_ways(fn, dtype):
         # copies: the caller's tensors may be inference tensors (a rollout), which cannot require gradients
-        pieces = [t.detach()[:n].to(dtype, copy=True).requires_grad_(True) for t in (q, k, v)]
+        pieces = [t.detach().index_select(0, take).to(dtype, copy=True).requires_grad_(True) for t in (q, k, v)]
         with torch.enable_grad():
             out = fn(*pieces)
             grads = torch.autograd.grad(out, pieces, pieces[0].detach().to(out.dtype))

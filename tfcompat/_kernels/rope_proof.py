@@ -9,10 +9,15 @@ from . import rope_triton as tr
 from . import table
 
 
+#: tokens of a row the proof rotates (all of a shorter row): once per key and process, beside the composite
+_TOKENS = 1024
+
+
 def proven(q, k, cos, sin, layout, seq_dim, inplace, rotation, gptj_cos, explicit):
     """First use proves the kernel (``table.first_use``): for this call's (device, dtypes, layout, widths, in place),
-    once per process, a slice of the call's own tensors (one batch row, up to 8 tokens) is rotated forward and
-    back by this kernel and by the composite, on the same device. False: ``auto`` falls back to the composite."""
+    once per process, a slice of the call's own tensors (the first and last batch rows, up to 1,024 of their
+    tokens, the first and the last, every head and channel) is rotated forward and back by this kernel and by the composite, on the same
+    device. False: ``auto`` falls back to the composite (an empty call is served by the composite, unproven)."""
     rows3 = cos.dim() == 4
     fast = ("rope", q.device, q.dtype, cos.dtype, layout.in_pairs, layout.out_pairs, layout.cos_mode, rows3, seq_dim,
             q.shape[-1], cos.shape[-1], bool(inplace))
@@ -20,13 +25,29 @@ def proven(q, k, cos, sin, layout, seq_dim, inplace, rotation, gptj_cos, explici
         return True
 
     key = (str(q.dtype)[6:], str(cos.dtype)[6:]) + fast[4:]
-    n = min(8, q.shape[seq_dim])
+    seq = q.shape[seq_dim]
+    if q.numel() == 0 or k.numel() == 0:
+        return False  # an empty call proves nothing (a kernel that writes zeros would pass): the composite serves it
+    # the slice covers the call's structure: its first and last batch rows, every token up to _TOKENS (else the
+    # first and last _TOKENS / 2: a kernel wrong past some token, or for the last row, fails), every head of q and
+    # k, every channel (every mRoPE section); cos/sin rows and tokens are selected with them, so each token keeps
+    # its own angles
+    rows = sorted({0, q.shape[0] - 1})
+    tokens = list(range(seq)) if seq <= _TOKENS else list(range(_TOKENS // 2)) + list(range(seq - _TOKENS // 2, seq))
 
     def piece():
-        qs, ks = (t.detach()[:1].narrow(seq_dim, 0, n).clone() for t in (q, k))
+        ti = torch.tensor(tokens, device=q.device)
+        ri = torch.tensor(rows, device=q.device)
+        qs, ks = (t.detach().index_select(0, ri).index_select(seq_dim, ti).clone() for t in (q, k))
         # cloned too: under inference_mode the caller's cos/sin are inference tensors, which autograd cannot save
-        cs, ss = ((t.detach()[:, :1] if rows3 else t.detach()[:1]).narrow(-2, 0, n).clone() for t in (cos, sin))
-        return qs, ks, cs, ss
+        def pick(t):
+            t = t.detach()
+            batch_dim = 1 if rows3 else 0
+            if t.shape[batch_dim] != 1:
+                t = t.index_select(batch_dim, ri)
+            return t.index_select(-2, ti).clone()
+
+        return qs, ks, pick(cos), pick(sin)
 
     def both_ways(rotate, dtype=None):
         qs, ks, cs, ss = piece()
