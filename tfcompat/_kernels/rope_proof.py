@@ -16,7 +16,8 @@ def proven(q, k, cos, sin, layout, seq_dim, inplace, rotation, gptj_cos, explici
     """First use proves the kernel (``table.first_use``): for this call's (device, dtypes, layout, widths, in place),
     once per process, a slice of the call's own tensors (the first and last batch rows, up to 1,024 of their
     tokens, the first and the last, every head and channel) is rotated forward and back by this kernel and by the
-    composite, on the same device. False: ``auto`` falls back to the composite (an empty call is served by the composite, unproven)."""
+    composite, on the same device. False: ``auto`` falls back to the composite (an empty call is served by the
+    composite, unproven)."""
     rows3 = cos.dim() == 4
     fast = ("rope", q.device, q.dtype, cos.dtype, layout.in_pairs, layout.out_pairs, layout.cos_mode, rows3, seq_dim,
             q.shape[-1], cos.shape[-1], bool(inplace))
