@@ -231,3 +231,47 @@ def test_gpu_check_prints_a_skipped_check():
     line = gc.result_line({"family": "qwen2", "check": "x", "passed": False, "skipped": None,
                            "max_abs_diff": None, "tolerance": None, "error": "RuntimeError: no"})
     assert line.startswith("[FAIL]") and "n/a" in line
+
+
+def test_flash_attn_deterministic_follows_transformers(monkeypatch):
+    """transformers passes flash-attn's ``deterministic`` from FLASH_ATTENTION_DETERMINISTIC; tfcompat's call does
+    too (it never passed it), and the call still binds to flash-attn 2's signature."""
+    q, k, v, cu = _row()
+    monkeypatch.delenv("FLASH_ATTENTION_DETERMINISTIC", raising=False)
+    assert calls.deterministic() is False
+    monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", "1")
+    assert calls.deterministic() is True
+    args, kwargs = calls.flash_call(q, k, v, cu, 6, causal=True, scale=0.3, window=None, dropout_p=0.0,
+                                    deterministic=calls.deterministic())
+    assert kwargs["deterministic"] is True
+    FLASH2.bind(*args, **kwargs)
+    assert "deterministic" in calls._FLASH_NEEDS
+
+
+def test_heads_the_kernels_do_not_take_are_not_a_failed_proof():
+    """A v head_dim other than q's, or a head_dim over 256: the GPU kernels cannot take them, so the exact path
+    serves them without a proof or a "please report" warning; the proof itself handles v's own head_dim."""
+    import warnings
+
+    import tfcompat
+    from tfcompat._kernels import table
+
+    q, k, v, cu = _row(dim=8)
+    assert calls.unfit_shapes(q, k, v) == ""
+    assert "v head_dim 4" in calls.unfit_shapes(q, k, v[..., :4])
+    big = torch.zeros(3, 2, 320)
+    assert "over 256" in calls.unfit_shapes(big, big, big)
+    tfcompat.clear_cache()
+    v4 = v[..., :4].contiguous()
+
+    def reference(a, b, c, bounds):
+        return _sdpa_fallback(a, b, c, bounds, 0.3, True, None, 0.0)
+
+    def kernel(a, b, c, cu_, longest):
+        return _sdpa_fallback(a, b, c, cu_.tolist(), 0.3, True, None, 0.0)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert calls.proven("flash_attn", kernel, reference, q, k, v4, True, 0.3, None)
+    assert [r["ok"] for r in table.proven()] == [True]
+    tfcompat.clear_cache()

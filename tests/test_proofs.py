@@ -374,3 +374,57 @@ def test_rope_proof_fails_a_kernel_wrong_in_one_part(wrong, monkeypatch):
         with pytest.raises(TfcompatError, match="failed its first-use proof"):
             apply_rope(q, k, cos, sin, config=config, impl="triton")
     tfcompat.clear_cache()
+
+
+# --- the GPU path's smaller defects -----------------------------------------------------------------------------
+@TRITON
+def test_rope_kernel_backward_keeps_the_gradients_layout():
+    """The kernel's backward writes the input gradient in the output gradient's own layout (a (b, s, h, d)
+    projection seen as (b, h, s, d) stays that, so the projection's backward reads it without a copy); it
+    allocated a contiguous one."""
+    from tfcompat.config import rope_parameters
+    from tfcompat.rope import apply_rope
+
+    tfcompat.clear_cache()
+    rot, config = rotary("qwen3")
+    dim = rope_parameters(config).head_dim
+    g = torch.Generator().manual_seed(0)
+    proj = torch.randn(2, 9, 4, dim, generator=g, requires_grad=True)
+    q = proj * 1
+    k = torch.randn(2, 2, 9, dim, generator=g)
+    cos, sin = rot(q, torch.arange(9).expand(2, 9))
+    seen = []
+    qt = q.transpose(1, 2)
+    qt.register_hook(lambda grad: seen.append(grad.stride()))
+    oq, ok = apply_rope(qt, k, cos, sin, config=config, impl="triton")
+    grad = torch.randn(2, 9, 4, dim, generator=g).transpose(1, 2)  # dense, (b, s, h, d) in memory
+    oq.backward(grad)
+    assert seen == [grad.stride()], (seen, grad.stride())
+    tfcompat.clear_cache()
+
+
+def test_patched_attention_backward_allocates_no_zero_filled_gradient():
+    """The patched attention took q[0] of its (1, heads, s, d) tensors: select's backward allocates and zero-fills
+    a whole gradient per tensor (about 0.6 GB a layer at 16k tokens on a 7B model). squeeze's backward is a view."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tfcompat.packing import pack
+    from tfcompat.testing import padded_batch, tiny_model
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    model = tiny_model("qwen2")
+    tfcompat.patch(model)
+    pk = pack(*padded_batch([[5, 6, 7, 8, 9], [10, 11, 12]]))
+    out = model(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False).logits
+    ops = Ops()
+    with ops:
+        out.sum().backward()
+    assert not [n for n in ops.names if "select_backward" in n], sorted(set(ops.names))

@@ -617,3 +617,17 @@ def test_every_section_list_upstream_accepts_equals_upstream(sections, impl):
         torch.testing.assert_close(g, w, **TOL[torch.float32], msg=lambda m: f"{name} {impl} {section}: {m}")
     said = [str(w.message) for w in seen if "the composite computed it" in str(w.message)]
     assert bool(said) == (impl == "triton" and sections != "three"), said
+
+
+def test_fused_qkv_slices_are_checked_on_their_layout_alone():
+    """apply_rope_ refuses q and k that share an element; slices of one fused QKV buffer interleave without
+    sharing one. The check reads the layout only (a CPU bitmap over the views' span, once per layout): meta
+    tensors of a 7B-sized fused projection answer too (it allocated a bool buffer of the whole storage on q's
+    device, and read it back, on every call)."""
+    from tfcompat.rope import _share_elements
+
+    for device in ("cpu", "meta"):
+        qkv = torch.empty(1, 4096, (28 + 2 * 4) * 128, device=device).view(1, 4096, 36, 128)
+        q, k, v = qkv[:, :, :28], qkv[:, :, 28:32], qkv[:, :, 32:]
+        assert not _share_elements(q, k) and not _share_elements(k, v)
+        assert _share_elements(qkv[:, :, :29], k)

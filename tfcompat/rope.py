@@ -265,18 +265,34 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return Rotation(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, False, chosen)(q, k)
 
 
+_SHARED: dict = {}
+
+
 def _share_elements(q, k):
     """Whether q and k have an element in common. Disjoint slices of one fused QKV projection share a storage
-    and interleave in memory without sharing an element: only those are checked element by element."""
+    and interleave in memory without sharing an element: only those are checked element by element, on the
+    layout alone (shapes, strides, offsets: a CPU bitmap over the span the two views cover, never q's device, so
+    no host sync), once per layout."""
     import torch
 
     if q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr() or not torch._C._overlaps(q, k):
         return False
-    if q.dtype != k.dtype or q.device.type == "meta":
+    if q.dtype != k.dtype:
         return True
-    marks = torch.zeros(q.untyped_storage().nbytes() // q.element_size(), dtype=torch.bool, device=q.device)
-    marks.as_strided(q.shape, q.stride(), q.storage_offset()).fill_(True)
-    return bool(marks.as_strided(k.shape, k.stride(), k.storage_offset()).any())
+    key = (tuple(q.shape), q.stride(), q.storage_offset(), tuple(k.shape), k.stride(), k.storage_offset())
+    found = _SHARED.get(key)
+    if found is None:
+        def end(t):
+            return t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+
+        lo = min(q.storage_offset(), k.storage_offset())
+        marks = torch.zeros(max(end(q), end(k)) - lo, dtype=torch.bool)
+        marks.as_strided(q.shape, q.stride(), q.storage_offset() - lo).fill_(True)
+        found = bool(marks.as_strided(k.shape, k.stride(), k.storage_offset() - lo).any())
+        if len(_SHARED) > 4096:
+            _SHARED.clear()
+        _SHARED[key] = found
+    return found
 
 
 def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, config: Any = None,

@@ -169,6 +169,11 @@ def _varlen(q, k, v, cu_seqlens, bounds, max_seqlen, *, causal, softmax_scale, w
     patched attention layer calls this: CPU tensors go straight to the SDPA path (no helper calls)."""
     kind = _backends.varlen_kernel(dropout_p != 0.0) if q.is_cuda and q.dtype in _HALF else "sdpa"
     if kind != "sdpa":
+        from ._kernels import attention_calls as calls
+
+        if calls.unfit_shapes(q, k, v):
+            kind = "sdpa"  # heads the kernels do not take: the exact path, not a failed proof (nothing to report)
+    if kind != "sdpa":
         # no host sync: cu goes to the device as int32 (the kernels' documented dtype), max_seqlen is the Python
         # int computed once per step. First use in this process proves the kernel against the SDPA path on a
         # piece of this call's tensors (_prove_gpu); after it, one set look-up a call. A kernel that fails the
@@ -188,7 +193,7 @@ def _gpu_call(kind, q, k, v, cu, max_seqlen, causal, scale, window, dropout_p):
 
     if kind == "flash_attn":
         args, kwargs = calls.flash_call(q, k, v, cu, max_seqlen, causal=causal, scale=scale, window=window,
-                                        dropout_p=dropout_p)
+                                        dropout_p=dropout_p, deterministic=calls.deterministic())
         return _backends.flash_varlen()(*args, **kwargs)
     args, kwargs = calls.torch_call(q, k, v, cu, max_seqlen, causal=causal, scale=scale, window=window,
                                     params=_backends.torch_varlen_params())
@@ -226,5 +231,5 @@ def _sdpa_fallback(q, k, v, bounds, scale, causal, window, dropout_p):
             mask = (dist >= 0) & (dist < window) if causal else dist.abs() < window
         out = torch.nn.functional.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=mask, dropout_p=dropout_p, is_causal=causal and mask is None, scale=scale, **extra)
-        outs.append(out[0].transpose(0, 1))
+        outs.append(out.squeeze(0).transpose(0, 1))  # squeeze: select's backward would zero-fill a gradient
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)  # one sequence: no copy of its output

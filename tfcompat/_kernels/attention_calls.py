@@ -31,7 +31,7 @@ from typing import Any
 from . import table
 
 __all__ = ["FLASH_ATTN_2", "FLASH_ATTN_3", "TORCH_VARLEN", "signature", "flash_call", "torch_call", "fits",
-           "passed", "proven"]
+           "passed", "proven", "deterministic", "unfit_shapes"]
 
 _P = inspect.Parameter
 
@@ -81,13 +81,38 @@ def _window(causal, window):
     return (left, 0) if causal else (left, -1 if window is None else window - 1)
 
 
-def flash_call(q, k, v, cu, max_len, *, causal, scale, window, dropout_p):
+def flash_call(q, k, v, cu, max_len, *, causal, scale, window, dropout_p, deterministic=False):
     """``(args, kwargs)`` for flash-attn 2's ``flash_attn_varlen_func`` over one packed row (cu: int32, q's device).
 
-    flash-attn's ``causal`` is separate from its window: causal without a window is ``(-1, -1)``."""
+    flash-attn's ``causal`` is separate from its window: causal without a window is ``(-1, -1)``.
+    ``deterministic``: flash-attn's deterministic backward, as transformers passes it (:func:`deterministic`)."""
     win = (-1, -1) if window is None else _window(causal, window)
     return (q, k, v, cu, cu, max_len, max_len), dict(dropout_p=dropout_p, softmax_scale=scale, causal=causal,
-                                                   window_size=win)
+                                                   window_size=win, deterministic=deterministic)
+
+
+def deterministic():
+    """transformers' rule for flash-attn's ``deterministic``: ``FLASH_ATTENTION_DETERMINISTIC=1``, or torch's
+    deterministic algorithms switched on (``torch.use_deterministic_algorithms(True)``)."""
+    import os
+
+    import torch
+
+    return os.environ.get("FLASH_ATTENTION_DETERMINISTIC", "0") == "1" or torch.are_deterministic_algorithms_enabled()
+
+
+#: the largest head_dim flash-attn 2's kernels and torch's varlen_attn compile for
+MAX_HEAD_DIM = 256
+
+
+def unfit_shapes(q, k, v):
+    """Why the GPU varlen kernels cannot take these heads ('' when they can): both need v's head_dim equal to q's
+    and at most 256. The exact SDPA path serves such calls, with nothing to report (not a failed proof)."""
+    if v.shape[-1] != q.shape[-1]:
+        return f"v head_dim {v.shape[-1]} differs from q's {q.shape[-1]}"
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return f"head_dim {q.shape[-1]} is over {MAX_HEAD_DIM}"
+    return ""
 
 
 def torch_call(q, k, v, cu, max_len, *, causal, scale, window, params):
@@ -99,7 +124,7 @@ def torch_call(q, k, v, cu, max_len, *, causal, scale, window, params):
     return (q, k, v, cu, cu, max_len, max_len), kwargs
 
 
-_FLASH_NEEDS = ("dropout_p", "softmax_scale", "causal", "window_size")
+_FLASH_NEEDS = ("dropout_p", "softmax_scale", "causal", "window_size", "deterministic")
 _TORCH_NEEDS = ("scale", "window_size")
 
 
@@ -174,13 +199,15 @@ def proven(kind, call, reference, q, k, v, causal, scale, window):
     n = 16 + long
     bounds = [0, 16, n]
     take = torch.arange(n, device=q.device) % q.shape[0]
+    grad_out = torch.randn((n, q.shape[1], v.shape[-1]), generator=torch.Generator().manual_seed(0))
 
     def both_ways(fn, dtype):
         # copies: the caller's tensors may be inference tensors (a rollout), which cannot require gradients
         pieces = [t.detach().index_select(0, take).to(dtype, copy=True).requires_grad_(True) for t in (q, k, v)]
         with torch.enable_grad():
             out = fn(*pieces)
-            grads = torch.autograd.grad(out, pieces, pieces[0].detach().to(out.dtype))
+            # the output's own shape (v's head_dim), the same values into both backwards
+            grads = torch.autograd.grad(out, pieces, grad_out.to(device=out.device, dtype=out.dtype))
         return (out, *grads)
 
     def run():

@@ -304,8 +304,9 @@ class _TritonRope(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: the backward is itself a (differentiable) rotation
             dq, dk = _TritonRope.apply(gq, gk, cos, sin, ctx.layout, ctx.seq_dim, False, not ctx.inverse)
             return dq, dk, None, None, None, None, None, None
-        dq = torch.empty(gq.shape, dtype=gq.dtype, device=gq.device)
-        dk = torch.empty(gk.shape, dtype=gk.dtype, device=gk.device)
+        # the gradient's own layout where it is dense (a (b, s, h, d) projection's transposed view stays so: no
+        # copy when the projection's backward reads it); an expanded gradient gets a dense one
+        dq, dk = torch.empty_like(gq), torch.empty_like(gk)
         _launch(gq, gk, dq, dk, cos, sin, ctx.layout, ctx.seq_dim, inverse=not ctx.inverse)
         return dq, dk, None, None, None, None, None, None
 
@@ -328,7 +329,7 @@ class _TritonRopeOne(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: a differentiable inverse rotation
             dx, _ = _TritonRope.apply(grad, grad, cos, sin, ctx.layout, ctx.seq_dim, False, True)
             return dx, None, None, None, None
-        dx = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+        dx = torch.empty_like(grad)
         _launch(grad, None, dx, None, cos, sin, ctx.layout, ctx.seq_dim, inverse=True)
         return dx, None, None, None, None
 

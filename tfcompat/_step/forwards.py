@@ -144,7 +144,8 @@ def attention_forward(self, *args, **kwargs):
         if rot is None:
             rot = for_layers(pe, q, k, state.family, state.section, state.rope)
         q, k = rot(q, k)
-    q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0]
+    # squeeze, not q[0]: select's backward allocates and zero-fills a whole (1, heads, s, d) gradient per tensor
+    q, k, v = q.squeeze(0).transpose(0, 1), k.squeeze(0).transpose(0, 1), v.squeeze(0)
     dropout = self.attention_dropout if self.training else 0.0
     scale = getattr(self, "scaling", None) or d ** -0.5
     if state.group is not None or state.cgroup is not None:
