@@ -183,7 +183,31 @@ def _varlen(q, k, v, cu_seqlens, bounds, max_seqlen, *, causal, softmax_scale, w
         if calls.passed(kind, q, k, causal, window) or _prove_gpu(kind, q, k, v, causal, softmax_scale, window):
             return _gpu_call(kind, q, k, v, cu_seqlens.to(device=q.device, dtype=torch.int32), max_seqlen, causal,
                              softmax_scale, window, dropout_p)
+    if torch.compiler.is_compiling():
+        # traced: one SDPA call under a block-diagonal mask built from cu by tensor ops (upstream's masking), so the
+        # graph does not specialise on the sequence count or lengths; eager keeps the per-sequence SDPA calls
+        return _sdpa_masked(q, k, v, cu_seqlens, softmax_scale, causal, window, dropout_p)
     return _sdpa_fallback(q, k, v, bounds, softmax_scale, causal, window, dropout_p)
+
+
+def _sdpa_masked(q, k, v, cu, scale, causal, window, dropout_p):
+    """Attention inside each packed sequence as one SDPA call: token i attends key j of its own sequence (j <= i
+    when causal, i - j < window with a window). What the patched model runs under torch.compile on the SDPA
+    path; equal to :func:`_sdpa_fallback` up to the kernels' rounding (tests/test_compile.py)."""
+    total = q.shape[0]
+    pos = torch.arange(total, device=q.device)
+    seq = torch.searchsorted(cu[1:].to(device=q.device, dtype=torch.long), pos, right=True)
+    mask = seq[:, None] == seq[None, :]
+    dist = pos[:, None] - pos[None, :]
+    if causal:
+        mask = mask & (dist >= 0)
+    if window is not None:
+        mask = mask & (dist.abs() < window)
+    extra = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask, dropout_p=dropout_p, scale=scale, **extra)
+    return out.squeeze(0).transpose(0, 1)
 
 
 def _gpu_call(kind, q, k, v, cu, max_seqlen, causal, scale, window, dropout_p):

@@ -93,10 +93,6 @@ def _run(x, out, trig, seq_dim):
     step = max(1, _SLICE_ELEMENTS // max(1, x.numel() // max(1, length)))
     inplace = out is x
     fast = trig.freqs is not None
-    if fast and not inplace and not complex_viewable(x):
-        # a gradient that arrives expanded (``out.sum().backward()``: stride 0) or strided: the complex view needs
-        # adjacent pairs, so it is read once into a dense copy
-        x = x.contiguous()
     native_complex = fast and x.dtype in (torch.float32, torch.float64)
     half_x = x.dtype in (torch.bfloat16, torch.float16)
     parts, freqs = trig.parts32 if half_x else trig.parts, trig.freqs
@@ -145,6 +141,14 @@ def _run(x, out, trig, seq_dim):
         ob.addcmul_(a, s2)
 
 
+def _viewable(grad, trig):
+    """A gradient the complex kernel can view: one that arrives expanded (``out.sum().backward()``: stride 0) or
+    strided is read once into a dense copy (the complex view needs adjacent pairs)."""
+    if trig.freqs is not None and not complex_viewable(grad):
+        return grad.contiguous()
+    return grad
+
+
 class _Rope(torch.autograd.Function):
     """Out-of-place rotation; backward = inverse rotation (saves only cos/sin)."""
 
@@ -160,6 +164,7 @@ class _Rope(torch.autograd.Function):
         inverse = ctx.trig.inverse()
         if torch.is_grad_enabled():  # create_graph=True: the backward must be differentiable (double backward)
             return _Rope.apply(grad, None, None, inverse, ctx.seq_dim), None, None, None, None
+        grad = _viewable(grad, inverse)
         grad_in = torch.empty_like(grad)
         _run(grad, grad_in, inverse, ctx.seq_dim)
         return grad_in, None, None, None, None
@@ -198,6 +203,7 @@ class _RopePair(torch.autograd.Function):
             elif torch.is_grad_enabled():  # create_graph=True: the backward must be differentiable
                 out.append(_Rope.apply(g, None, None, inverse, ctx.seq_dim))
             else:
+                g = _viewable(g, inverse)
                 grad_in = torch.empty_like(g)
                 _run(g, grad_in, inverse, ctx.seq_dim)
                 out.append(grad_in)

@@ -7,7 +7,9 @@ Used by :mod:`._forwards` (the forwards) and :mod:`._patch` (``patch()``); impor
 from __future__ import annotations
 
 import copy
+import copyreg
 import inspect
+import types
 
 from ..errors import UlyssesError
 from .scope import FLASH_KWARGS
@@ -166,11 +168,69 @@ def _arguments(module, args, kwargs):
 
 
 
+#: the kinds installed many times in one model (every decoder layer and token mixer): their forward is a bound
+#: method of one function per (kind, class), which torch.compile guards by that function and takes the module
+#: as an input, as it does upstream's forwards, so every layer shares one compiled graph. A callable object per
+#: module (``_PatchedForward``) is guarded by its identity: each layer compiled apart until dynamo's recompile
+#: limit. The modules patched once per model (top, text, rotary, vision owner) keep ``_PatchedForward``.
+_SHARED_KINDS = ("attention", "layer", "linear")
+_SHARED: dict = {}
+
+
+def _shared(kind, fn, cls):
+    """The forward every ``cls`` module of ``kind`` is bound to: runs ``fn``, shows ``cls.forward``'s signature."""
+    key = (kind, fn, cls)
+    shared = _SHARED.get(key)
+    if shared is None:
+        # a copy of fn itself (its code, globals, defaults): no frame more per call than fn, and a signature of its
+        # own (``cls.forward``'s) where fn serves every class
+        forward = types.FunctionType(fn.__code__, fn.__globals__, f"tfcompat_{kind}_forward", fn.__defaults__,
+                                     fn.__closure__)
+        forward.__kwdefaults__ = fn.__kwdefaults__
+        forward.__qualname__ = forward.__name__
+        forward.__module__ = fn.__module__
+        try:
+            forward.__signature__ = inspect.signature(inspect.unwrap(cls.forward))
+        except (TypeError, ValueError):
+            pass
+        forward._tfcompat_key = (kind, fn)
+        _SHARED[key] = shared = forward
+    return shared
+
+
+def _rebind(module, kind, fn):
+    """Unpickling a patched module's shared forward: bound again to the module it was bound to."""
+    return types.MethodType(_shared(kind, fn, type(module)), module)
+
+
+def _reduce_method(method):
+    """Pickling of bound methods: tfcompat's shared forwards by (module, kind, function); every other method as
+    Python pickles it (``getattr(obj, name)``), unchanged."""
+    key = getattr(method.__func__, "_tfcompat_key", None)
+    if key is not None:
+        return _rebind, (method.__self__, *key)
+    return getattr, (method.__self__, method.__func__.__name__)
+
+
+copyreg.pickle(types.MethodType, _reduce_method)
+
+
 def _install(module, kind, state, fn):
     _uninstall(module)  # never wrap our own forward: patching again replaces
     state.saved_forward = module.__dict__.get("forward")
     setattr(module, _ATTR, state)
-    module.forward = _PatchedForward(module, kind, fn)
+    if kind in _SHARED_KINDS and state.saved_forward is None:
+        module.forward = types.MethodType(_shared(kind, fn, type(module)), module)
+    else:  # a forward set on the instance before (another wrapper's): its own signature, one object
+        module.forward = _PatchedForward(module, kind, fn)
+
+
+def _ours(module, fwd):
+    """Whether ``fwd`` is the forward tfcompat installed on ``module``."""
+    if isinstance(fwd, _PatchedForward):
+        return fwd.module is module
+    return isinstance(fwd, types.MethodType) and fwd.__self__ is module and \
+        getattr(fwd.__func__, "_tfcompat_key", None) is not None
 
 
 def _uninstall(module):
@@ -200,7 +260,7 @@ def _unwrapped_children(module):
 def _patched_as(module):
     state = module.__dict__.get(_ATTR)
     fwd = module.__dict__.get("forward")
-    if isinstance(state, _State) and isinstance(fwd, _PatchedForward) and fwd.module is module:
+    if isinstance(state, _State) and _ours(module, fwd):
         return state
     return None
 

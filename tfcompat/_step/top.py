@@ -275,17 +275,26 @@ def install_generation_positions(model, family):
     without them sets ``rope_deltas`` to 0, so every decoding step runs on text positions (5.16+). Callers written
     for 4.x (and the forward tfcompat patches, which supplies them) pass none. On the patched model that override
     gets them from ``input_ids`` first, in generate's own keyword arguments, so every later step (cache updates,
-    beam search, prompt lookup, assisted decoding) sees what the processor would have returned. Bound as a method
-    of the instance (a deep copy binds its own). Returns whether it was installed."""
-    import types
-
+    beam search, prompt lookup, assisted decoding) sees what the processor would have returned. Set
+    on the instance (a deep copy binds its own). Returns whether it was installed."""
     hook = getattr(type(model), _GENERATION_HOOK, None)
     if hook is None or not family.vision or "mm_token_type_ids" not in _signature(type(model)).parameters:
         return False
     if "model_kwargs" not in _signature_of(hook):
         return False  # another shape of the hook than the one read here: upstream's own, unchanged
-    model.__dict__[_GENERATION_HOOK] = types.MethodType(_generation_positions, model)
+    model.__dict__[_GENERATION_HOOK] = _GenerationPositions(model)
     return True
+
+
+class _GenerationPositions:
+    """The instance's ``_prepare_position_ids_for_generation``: picklable and deep-copyable (a copy holds the
+    copied model), as the patched forwards are."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, inputs_tensor, model_kwargs):
+        return _generation_positions(self.model, inputs_tensor, model_kwargs)
 
 
 def uninstall_generation_positions(model):
