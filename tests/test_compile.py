@@ -8,11 +8,12 @@ import logging
 
 import pytest
 import torch
-from _helpers import BOUNDARY_ONLY, close_to_model, grads_by_name, param_grads, patchable
-from _models import padded, text_model, tiny_model
 
 import tfcompat
 from tfcompat.packing import pack, unpack
+
+from _helpers import BOUNDARY_ONLY, close_to_model, grads_by_name, param_grads, patchable
+from _models import padded, text_model, tiny_model
 
 pytestmark = BOUNDARY_ONLY
 NAMES = [n for n in ("qwen2", "qwen3", "qwen2_5_vl") if n in patchable()]
