@@ -106,10 +106,11 @@ if not BOUNDARY:  # between the boundary releases: the paths that once failed, o
              n in ([m for m in NAMES if not SPECS[m].vision][:1] + [m for m in NAMES if SPECS[m].vision][:1])]
 
 
-@pytest.mark.parametrize("name,path", CASES)
-def test_generate_path_equals_the_unpatched_model(name, path):
-    ids, mask, pixels, kw = _call(name, path)
-    overrides = _overrides(name, path)
+def _both(name, path, ids, mask, pixels, kw, overrides=None, types=True):
+    """(patched, unpatched) generate() of one call: the unpatched model with what the 5.x processor returns, the
+    patched one with ``mm_token_type_ids`` only if ``types``; skipped where upstream's own generate() cannot run
+    the path. The patched model is returned too (its hooks are checked by some tests)."""
+    overrides = overrides or {}
     plain = tiny_model(name, **overrides)
     helper = tiny_model(name, seed=1, **overrides) if path == "assisted" else None
     try:
@@ -123,9 +124,16 @@ def test_generate_path_equals_the_unpatched_model(name, path):
     if helper is not None:
         helper = tiny_model(name, seed=1, **overrides)
         tfcompat.patch(helper)
-    got = _generate(model, name, path, ids, mask, pixels, kw, helper)
+    got = _generate(model, name, path, ids, mask, pixels, kw, helper, types=types)
     sequences = [getattr(x, "sequences", x) for x in (got, want)]
     assert torch.equal(*sequences), (path, sequences)
+    return got, want, model
+
+
+@pytest.mark.parametrize("name,path", CASES)
+def test_generate_path_equals_the_unpatched_model(name, path):
+    ids, mask, pixels, kw = _call(name, path)
+    got, want, _ = _both(name, path, ids, mask, pixels, kw, _overrides(name, path))
     for step, (g, w) in enumerate(zip(getattr(got, "logits", None) or (), getattr(want, "logits", None) or ())):
         assert torch.equal(g, w), f"{path}: logits of step {step}"
 
@@ -142,22 +150,7 @@ def test_generate_without_mm_token_type_ids_equals_the_unpatched_model_with_them
     5.x processor returns (with them). Where the release's forward takes no ``mm_token_type_ids`` both calls are
     the same call."""
     ids, mask, pixels, kw = _call(name, path)
-    plain = tiny_model(name)
-    helper = tiny_model(name, seed=1) if path == "assisted" else None
-    try:
-        want = _generate(plain, name, path, ids, mask, pixels, kw, helper)
-    except UPSTREAM_LIMITS as exc:
-        pytest.skip(f"the unpatched model's own generate() cannot run {path} here: {type(exc).__name__}: "
-                    f"{str(exc)[:200]}")
-    torch._dynamo.reset()
-    model = tiny_model(name)
-    tfcompat.patch(model)
-    if helper is not None:
-        helper = tiny_model(name, seed=1)
-        tfcompat.patch(helper)
-    got = _generate(model, name, path, ids, mask, pixels, kw, helper, types=False)
-    sequences = [getattr(x, "sequences", x) for x in (got, want)]
-    assert torch.equal(*sequences), (path, sequences)
+    _, _, model = _both(name, path, ids, mask, pixels, kw, types=False)
     tfcompat.unpatch(model)
     assert "_prepare_position_ids_for_generation" not in model.__dict__
 
@@ -174,21 +167,7 @@ def test_generate_with_the_prompts_last_token_masked_equals_the_unpatched_model(
     ids, mask, pixels, kw = _call(name, path)
     mask = mask.clone()
     mask[:, -1] = 0
-    plain = tiny_model(name)
-    helper = tiny_model(name, seed=1) if path == "assisted" else None
-    try:
-        want = _generate(plain, name, path, ids, mask, pixels, kw, helper)
-    except UPSTREAM_LIMITS as exc:
-        pytest.skip(f"the unpatched model's own generate() cannot run {path} here: {type(exc).__name__}: "
-                    f"{str(exc)[:200]}")
-    model = tiny_model(name)
-    tfcompat.patch(model)
-    if helper is not None:
-        helper = tiny_model(name, seed=1)
-        tfcompat.patch(helper)
-    got = _generate(model, name, path, ids, mask, pixels, kw, helper)
-    sequences = [getattr(x, "sequences", x) for x in (got, want)]
-    assert torch.equal(*sequences), (path, sequences)
+    _both(name, path, ids, mask, pixels, kw)
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if not SPECS[n].vision])

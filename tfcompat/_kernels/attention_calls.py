@@ -195,13 +195,13 @@ def proven(kind, call, reference, q, k, v, causal, scale, window):
     # two sequences: a short one, and one longer than the window by 16 keys (so a kernel that ignores the window,
     # or counts it off by one, differs); every head of q, k and v. A row shorter than that is repeated to reach it:
     # the key proven here serves later calls with longer sequences
-    long = 32 if window is None else window + 16
-    n = 16 + long
+    n = 16 + (32 if window is None else window + 16)
     bounds = [0, 16, n]
-    take = torch.arange(n, device=q.device) % q.shape[0]
-    grad_out = torch.randn((n, q.shape[1], v.shape[-1]), generator=torch.Generator().manual_seed(0))
 
     def both_ways(fn, dtype):
+        # built here, inside the proof: a key that failed its proof reaches proven() on every call
+        take = torch.arange(n, device=q.device) % q.shape[0]
+        grad_out = torch.randn((n, q.shape[1], v.shape[-1]), generator=torch.Generator().manual_seed(0))
         # copies: the caller's tensors may be inference tensors (a rollout), which cannot require gradients
         pieces = [t.detach().index_select(0, take).to(dtype, copy=True).requires_grad_(True) for t in (q, k, v)]
         with torch.enable_grad():

@@ -25,19 +25,18 @@ def proven(q, k, cos, sin, layout, seq_dim, inplace, rotation, gptj_cos, explici
         return True
 
     key = (str(q.dtype)[6:], str(cos.dtype)[6:]) + fast[4:]
-    seq = q.shape[seq_dim]
     if q.numel() == 0 or k.numel() == 0:
         return False  # an empty call proves nothing (a kernel that writes zeros would pass): the composite serves it
     # the slice covers the call's structure: its first and last batch rows, every token up to _TOKENS (else the
     # first and last _TOKENS / 2: a kernel wrong past some token, or for the last row, fails), every head of q and
     # k, every channel (every mRoPE section); cos/sin rows and tokens are selected with them, so each token keeps
     # its own angles
-    rows = sorted({0, q.shape[0] - 1})
-    tokens = list(range(seq)) if seq <= _TOKENS else list(range(_TOKENS // 2)) + list(range(seq - _TOKENS // 2, seq))
-
-    def piece():
-        ti = torch.tensor(tokens, device=q.device)
-        ri = torch.tensor(rows, device=q.device)
+    def piece():  # built inside the proof: a key that failed its proof reaches proven() on every call
+        seq = q.shape[seq_dim]
+        ti = torch.arange(seq, device=q.device)
+        if seq > _TOKENS:
+            ti = torch.cat((ti[:_TOKENS // 2], ti[-(_TOKENS // 2):]))
+        ri = torch.tensor(sorted({0, q.shape[0] - 1}), device=q.device)
         qs, ks = (t.detach().index_select(0, ri).index_select(seq_dim, ti).clone() for t in (q, k))
         # cloned too: under inference_mode the caller's cos/sin are inference tensors, which autograd cannot save
         def pick(t):

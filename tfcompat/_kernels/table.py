@@ -97,9 +97,7 @@ def first_use(op, name, device, key, run, reference, explicit, fast=None):
     from ..errors import TfcompatError
 
     slot = (op, name, str(device), key)
-    record = _PROVEN.get(slot)
-    if record is not None and not record["ok"] and record["mode"] != _mode() == "grad":
-        record = None  # failed under no_grad / inference_mode: a training call proves it again, once
+    record = _current(slot)
     if record is None:
         why = blocked(_compiling(), _capturing(device))
         if why:
@@ -112,9 +110,7 @@ def first_use(op, name, device, key, run, reference, explicit, fast=None):
         with _LOCK:
             if slot in _PROVING:  # re-entered by the proof itself: the proven path, nothing recorded
                 return False
-            record = _PROVEN.get(slot)
-            if record is not None and not record["ok"] and record["mode"] != _mode() == "grad":
-                record = None
+            record = _current(slot)
             if record is None:
                 _PROVING.add(slot)
                 try:
@@ -138,6 +134,15 @@ def first_use(op, name, device, key, run, reference, explicit, fast=None):
                       f"`tfcompat report` and `tfcompat check --device {str(device).split(':')[0]}` output",
                       RuntimeWarning, stacklevel=3)
     return False
+
+
+def _current(slot):
+    """The slot's record, or None where a proof is due: never proven, or failed under ``no_grad`` /
+    ``inference_mode`` while this call trains (a training call proves it again, once)."""
+    record = _PROVEN.get(slot)
+    if record is not None and not record["ok"] and record["mode"] != _mode() == "grad":
+        return None
+    return record
 
 
 def blocked(compiling, capturing):

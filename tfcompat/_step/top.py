@@ -86,12 +86,11 @@ def _refuse_whole_row_labels(state, kwargs):
                 f"call without labels and compute the loss from the logits; or train with "
                 f"tfcompat.trainer.SequenceParallelMixin, which does this for transformers.Trainer and TRL")
         return
-    if state.slice_inputs:
-        raise UlyssesError(
-            f"tfcompat {state.family}: labels with slice_inputs=True: the model returns this rank's slice of the "
-            f"logits, which upstream's loss cannot pair with the whole row's labels; call without labels and "
-            f"compute the loss on the gathered logits (tfcompat.ulysses.gather_from_ranks), or on this rank's "
-            f"slice of the shifted labels (tfcompat.ulysses.slice_for_rank)")
+    raise UlyssesError(
+        f"tfcompat {state.family}: labels with slice_inputs=True: the model returns this rank's slice of the "
+        f"logits, which upstream's loss cannot pair with the whole row's labels; call without labels and "
+        f"compute the loss on the gathered logits (tfcompat.ulysses.gather_from_ranks), or on this rank's "
+        f"slice of the shifted labels (tfcompat.ulysses.slice_for_rank)")
 
 
 def _with_explicit(run, args, kwargs):

@@ -241,12 +241,12 @@ def rank_limit(ulysses, context, machine):
     fits = max(2, min(int(gib // _RANK_GIB), cores * _RANKS_PER_CORE))
     if ranks <= fits:
         return ""
-    smaller = []
-    for u in sorted({d for d in (ulysses, 4, 2, 1) if d <= ulysses}, reverse=True):
+    hint = ""
+    for u in sorted({d for d in (ulysses, 4, 2, 1) if d <= min(ulysses, fits)}, reverse=True):
         c = min(context, fits // u)
-        if u * c > 1 and c >= 1 and u <= fits:
-            smaller.append(f"--ulysses {u} --context {c}" if context > 1 or c > 1 else f"--ulysses {u}")
-    hint = f"; the same code paths run in a smaller layout: {smaller[0]}" if smaller else ""
+        if u * c > 1:
+            hint = f"; the same code paths run in a smaller layout: --ulysses {u} --context {c}"
+            break
     return (f"Ulysses {ulysses} x context {context} would start {ranks} processes, and this machine ({cores} "
             f"cores, {gib:.1f} GiB available) holds at most {fits} (about {_RANK_GIB} GiB and 1/{_RANKS_PER_CORE} "
             f"core each){hint}")

@@ -123,24 +123,20 @@ def _one(name, check, fn, reason, tol, what, planned=None):
                 "passed": True, "skipped": reason, "seconds": 0.0, "error": None}
     from .._kernels import table
 
-    def failed():
-        return {(r["op"], r["kernel"], r["device"], r["key"]): r for r in table.proven() if not r["ok"]}
-
-    before = failed()
     result = _checks._result(name, check, fn, tol)
     result.update(compares=what, skipped=None)
-    if planned is not None:
+    # a failed proof of the planned kernel (in this check, or an earlier family's) means it did not run here
+    failed = [r for r in table.proven() if not r["ok"] and planned is not None and (r["op"], r["kernel"]) == planned]
+    if failed:
         op, kernel = planned
-        new = [r for slot, r in failed().items() if slot not in before and slot[:2] == planned]
-        # a failure recorded before this check (an earlier family) still means the kernel did not run here
-        old = [r for slot, r in before.items() if slot[:2] == planned]
-        if new or old:
-            r = (new or old)[0]
-            why = r["error"] or f"max |diff| {r['max_abs_diff']:.3g} against the proven path"
-            result.update(check=check.replace(f".{kernel}.", f".{_FALLBACK[op]}(fallback from {kernel}).", 1)
-                          if f".{kernel}." in check + "." else check, passed=False,
-                          error=f"the {kernel} {op} kernel failed its first-use proof on {r['device']} ({why}); "
-                                f"the {_FALLBACK[op]} path ran instead")
+        r = failed[-1]
+        why = r["error"] or f"max |diff| {r['max_abs_diff']:.3g} against the proven path"
+        parts = check.split(".")
+        if parts[1:2] == [kernel]:
+            parts[1] = f"{_FALLBACK[op]}(fallback from {kernel})"
+        result.update(check=".".join(parts), passed=False,
+                      error=f"the {kernel} {op} kernel failed its first-use proof on {r['device']} ({why}); "
+                            f"the {_FALLBACK[op]} path ran instead")
     return result
 
 
