@@ -161,6 +161,30 @@ def test_one_sequence_with_explicit_boundaries_runs_upstream(name):
             model(**call, cu_seq_lens_q=cu, max_length_q=5)
 
 
+@pytest.mark.parametrize("name", VISION)
+def test_a_text_vl_row_as_embeddings_or_with_seq_idx_alone(name):
+    """A packed text-only VL row without position ids, given as embeddings (no boundaries: one sequence; with
+    ``seq_idx``) or as ids with ``seq_idx`` (DataCollatorWithFlattening(return_seq_idx=True, return_position_ids=
+    False)): the padded batch's numbers, on every release (up to 5.0 upstream's own positions read input_ids'
+    shape and fail on embeddings alone)."""
+    model = tiny_model(name)
+    lengths = [5, 9, 1, 4]
+    ids, mask = padded([tiny_sequence(name, text=n) for n in lengths])
+    pk = pack(ids, mask)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        # the oracle with its mask: 4.5x's GLM-4V fails on ids alone (its own text positions' shape)
+        one = model(input_ids=ids[1:2, :9], attention_mask=mask[1:2, :9], use_cache=False).logits
+        tfcompat.patch(model)
+        embeds = model.get_input_embeddings()(pk.input_ids)
+        seq_idx = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+        for call in (dict(inputs_embeds=embeds, seq_idx=seq_idx), dict(input_ids=pk.input_ids, seq_idx=seq_idx)):
+            got = unpack(model(**call, use_cache=False).logits, pk)
+            torch.testing.assert_close(got[mask.bool()], want[mask.bool()], rtol=1e-5, atol=1e-5, msg=str(list(call)))
+        alone = model(inputs_embeds=model.get_input_embeddings()(ids[1:2, :9]), use_cache=False).logits
+        torch.testing.assert_close(alone, one, rtol=1e-5, atol=1e-5)
+
+
 def test_boundaries_from_the_packed_context_and_kwargs():
     name = "qwen2"
     model, ids, mask, _ = _padded_and_packed(name, "text")

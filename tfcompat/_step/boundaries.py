@@ -67,6 +67,16 @@ def starts_of(ids, valid, what):
     return [0] + starts.tolist()
 
 
+def padded_starts(row, valid):
+    """Where the real tokens of a row with padding restart at 0 (``[0]``: never after the first). Positions may go
+    down under padding (generate()'s masked token in assisted decoding: ``[0 .. n-2, 0, 1]`` under ``[1 .. 1, 0,
+    1]``): upstream runs such a row; only a restart of the real tokens at 0 marks a packed row."""
+    import torch
+
+    t = row[valid]
+    return [0] + (torch.nonzero(t[1:] == 0).flatten() + 1).tolist() if t.numel() else [0]
+
+
 def mask_valid(mask, n):
     """Bool (n,) of real tokens from a 2-D mask of one row, or None when every token is real."""
     if mask is None:
@@ -325,8 +335,7 @@ def _step_of_positions(state, group, position_ids, text, kind, valid, total, dev
         # a row with padding in its mask is upstream's own path (a padded batch of one, or generate()'s masked
         # token in assisted decoding: positions [0 .. n-2, 0, 1] under a mask [1 .. 1, 0, 1]), never a packed row:
         # upstream runs it. Only real tokens that restart at 0 (a packed row with padding) are refused below
-        t = rows[0][valid]
-        starts = [0] + (torch.nonzero(t[1:] == 0).flatten() + 1).tolist() if t.numel() else [0]
+        starts = padded_starts(rows[0], valid)
     else:
         starts = starts_of(rows[0], valid if group is None else None, kind)
     if len(starts) > 1 and valid is not None:

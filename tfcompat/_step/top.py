@@ -130,6 +130,13 @@ def vl_forward(self, *args, **kwargs):
         args, kwargs = (), _vl_shard(self, state, a, pixels)
     elif not pixels and a.get("position_ids") is None and _row_positions(state, a) is not None:
         args, kwargs = (), a
+    elif not pixels and not decoding and a.get("position_ids") is None and a.get("input_ids") is None and \
+            a.get("attention_mask") is None and a.get("inputs_embeds") is not None:
+        # text embeddings alone: the positions count over the row, as upstream counts them from input_ids (the
+        # releases up to 5.0 read input_ids' shape for them and fail on embeddings alone)
+        embeds = a["inputs_embeds"]
+        a["position_ids"] = torch.arange(embeds.shape[1], device=embeds.device).expand(3, embeds.shape[0], -1)
+        args, kwargs = (), a
     if pixels and a.get("input_ids") is not None and a["input_ids"].shape[0] == 1 and \
             (not state.split() or state.slice_inputs):  # this rank holds the whole row
         explicit = _carrier.named() or {}
@@ -161,12 +168,15 @@ def vl_forward(self, *args, **kwargs):
 
 
 def _row_positions(state, a):
-    """A whole text-only VL row with boundaries (cu_seq_lens_q/k, tfcompat.packing.packed) and no position ids:
+    """A whole text-only VL row with boundaries (cu_seq_lens_q/k, seq_idx, tfcompat.packing.packed) and no position ids:
     upstream would count the mRoPE positions over the row as one sequence; they count from 0 in every sequence
     of the boundaries instead (3 equal rows, as for text tokens), set in ``a``. None where nothing is set."""
     explicit = _carrier.named() or {}
     ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
     cu = _boundaries.explicit_cu(explicit)
+    seq_idx = explicit.get("seq_idx")
+    if cu is None and ref is not None and getattr(seq_idx, "shape", None) == (1, ref.shape[1]):
+        cu = _boundaries.cu_from_seq_idx(seq_idx, 1, ref.shape[1])  # DataCollatorWithFlattening(return_seq_idx)
     if ref is None or cu is None or ref.shape[0] != 1 or cu.dim() != 1 or cu.numel() < 2 or \
             cu.dtype.is_floating_point or int(cu[-1]) != ref.shape[1]:
         return None  # not a whole packed row: the text model names what is wrong, if anything
@@ -240,7 +250,7 @@ def check_vision_in_packed_row(owner, family, a, explicit):
         if isinstance(valid, str):
             return  # a 4-D mask (or a cache's longer one) says itself what attends: upstream's own path
         if valid is not None:  # one prompt with padding (generate(), assisted decoding): not a packed row
-            if len(_boundaries.starts_of(text[0], valid, "position ids")) > 1:
+            if len(_boundaries.padded_starts(text[0], valid)) > 1:
                 raise PackingError(f"tfcompat {family}: the position ids restart at 0 (a packed row) but "
                                    f"attention_mask has padding in the row; drop the padding "
                                    f"(tfcompat.packing.pack does) or pass no mask")
