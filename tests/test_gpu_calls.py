@@ -10,6 +10,7 @@ import inspect
 
 import pytest
 import torch
+from packaging.version import Version
 
 from tfcompat._kernels import attention_calls as calls
 from tfcompat._probe import backends as _backends
@@ -220,7 +221,10 @@ def test_gpu_check_passes_a_correct_fa2_precision_kernel_and_fails_a_wrong_one()
     old_rule = max((a - b).abs().max().item() for a, b in zip(
         (out, *torch.autograd.grad(out, (q, k, v), go)),
         (bf16_fallback, *torch.autograd.grad(bf16_fallback, (q, k, v), go))))
-    assert old_rule > 2e-2  # what the bench used to compare: it failed this correct kernel
+    # what the bench used to compare: it failed this correct kernel where torch's bf16 SDPA on CPU rounds inside
+    # (2.13); torch 2.7's accumulates in fp32 as the emulated kernel does, so there the two agree
+    if Version(torch.__version__.split("+")[0]) >= Version("2.8"):
+        assert old_rule > 2e-2
 
 
 def test_gpu_check_prints_a_skipped_check():
