@@ -279,3 +279,26 @@ def test_heads_the_kernels_do_not_take_are_not_a_failed_proof():
         assert calls.proven("flash_attn", kernel, reference, q, k, v4, True, 0.3, None)
     assert [r["ok"] for r in table.proven()] == [True]
     tfcompat.clear_cache()
+
+
+def test_public_varlen_attention_reads_no_boundaries_back_on_the_gpu_kernel_path():
+    """The public varlen_attention with a GPU kernel, boundaries on the GPU and max_seqlen given reads nothing back
+    to the host (the rule, a pure function of what a GPU call has); its device-side check accepts good boundaries
+    and refuses every bad one by tfcompat's message, run here on CPU tensors where torch raises it at once."""
+    from tfcompat.errors import PackingError
+    from tfcompat.varlen import assert_cu_on_device, reads_bounds
+
+    assert not reads_bounds("flash_attn", "cuda", 6) and not reads_bounds("torch_varlen", "cuda", 6)
+    assert reads_bounds("flash_attn", "cuda", None)  # the longest must be read
+    assert reads_bounds("sdpa", "cuda", 6)  # the SDPA path splits by Python ints
+    assert reads_bounds("flash_attn", "cpu", 6)  # read for free, with a clear error
+    total = 11
+    assert_cu_on_device(torch.tensor([0, 4, 5, total], dtype=torch.int32), total, 6)
+    for bad, longest in (([1, 4, 11], 7), ([0, 4, 10], 6), ([0, 6, 4, 11], 7), ([0, 4, 5, 11], 5),
+                         ([0, 4, 5, 11], 7), ([0, 4, 4, 11], 7)):
+        with pytest.raises(RuntimeError, match="tfcompat varlen_attention: cu_seqlens must run from 0"):
+            assert_cu_on_device(torch.tensor(bad, dtype=torch.int32), total, longest)
+    with pytest.raises(PackingError, match="1-D integer tensor"):
+        assert_cu_on_device(torch.tensor([[0, 11]]), total, 11)
+    with pytest.raises(PackingError, match="max_seqlen must be a positive int"):
+        assert_cu_on_device(torch.tensor([0, 11]), total, 0)

@@ -216,6 +216,30 @@ def test_torch_compile_fullgraph(name):
     torch.testing.assert_close(qq.grad, ref.grad, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("name", [n for n in ("qwen3", "qwen2_vl") if n in FAMILIES])
+def test_explicit_triton_under_compile_says_the_composite_ran(name):
+    """impl="triton" traced by torch.compile runs the composite (the compiler fuses it): said by a warning at trace
+    time, with no graph break, and the numbers are upstream's (the kernel is never launched inside a graph)."""
+    from tfcompat._step import rotation
+    from tfcompat.rope import prepare
+
+    config, cos, sin, q, k, g = _inputs(name, 2, 9, torch.float32, 1, seed=7)
+    prepare(config)
+    rotation._SAID.difference_update({m for m in rotation._SAID if "under torch.compile" in m})
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(lambda a, b, c, s: apply_rope(a, b, c, s, config=config, impl="triton"))
+    with pytest.warns(RuntimeWarning, match=rf"impl='triton'\) for {name} under torch.compile: the compiler traces"):
+        out = explained(q, k, cos, sin)
+    assert (out.graph_count, out.graph_break_count) == (1, 0)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda a, b, c, s: apply_rope(a, b, c, s, config=config, impl="triton"), fullgraph=True,
+                       backend="eager")
+    got = fn(q, k, cos, sin)
+    want = upstream_rope(name, config)(q, k, cos, sin)
+    torch.testing.assert_close(got[0], want[0], **TOL[torch.float32])
+    torch.testing.assert_close(got[1], want[1], **TOL[torch.float32])
+
+
 def _dispatched(fn):
     """Non-view aten ops fn dispatches, and the host syncs among them (equal / _local_scalar_dense)."""
     from torch.utils._python_dispatch import TorchDispatchMode

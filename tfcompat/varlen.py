@@ -131,7 +131,38 @@ def _check(q, k, v, cu_seqlens):
         )
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise PackingError(f"varlen_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
-    return check_cu_seqlens(cu_seqlens, q.shape[0], "varlen_attention: cu_seqlens")
+
+
+def _kind(q, dropout_p):
+    """The kernel ``_varlen`` starts from for q: a GPU kernel for CUDA fp16/bf16, else the SDPA path."""
+    return _backends.varlen_kernel(dropout_p != 0.0) if q.is_cuda and q.dtype in _HALF else "sdpa"
+
+
+def reads_bounds(kind: str, cu_device: str, max_seqlen: Optional[int]) -> bool:
+    """Whether ``varlen_attention`` reads ``cu_seqlens`` back to the host (one sync where they lie on a GPU).
+
+    Not when a GPU kernel runs with boundaries already on the GPU and ``max_seqlen`` given: the kernel takes
+    both as they are, and the boundaries are checked on the device (:func:`assert_cu_on_device`). The SDPA
+    path splits the row by Python ints, and without ``max_seqlen`` the longest sequence must be read; boundaries
+    on the CPU are read for free and checked with a clear error."""
+    return kind == "sdpa" or cu_device != "cuda" or max_seqlen is None
+
+
+def assert_cu_on_device(cu_seqlens: torch.Tensor, total: int, max_seqlen: int) -> None:
+    """Check boundaries where they lie, without a host read: a 1-D integer tensor from 0 to ``total``, strictly
+    increasing, whose longest sequence is ``max_seqlen``. The shape and dtype are refused at once
+    (:class:`PackingError`); the values by a device-side assertion (``torch._assert_async``, raised by the
+    next synchronising call on a GPU, at once on the CPU) naming tfcompat's check."""
+    cu = cu_seqlens
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point or \
+            cu.dtype.is_complex or cu.dtype == torch.bool:
+        check_cu_seqlens(cu, total, "varlen_attention: cu_seqlens")  # its refusal, with the found shape/dtype
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1:
+        raise PackingError(f"varlen_attention: max_seqlen must be a positive int, got {max_seqlen!r}")
+    steps = cu[1:] - cu[:-1]
+    ok = (cu[0] == 0) & (cu[-1] == total) & (steps > 0).all() & (steps.max() == max_seqlen)
+    torch._assert_async(ok, f"tfcompat varlen_attention: cu_seqlens must run from 0 to the token count {total}, "
+                            f"strictly increasing, with max_seqlen {max_seqlen} its longest sequence")
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -142,7 +173,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     Args:
         q: (total, heads, head_dim); k, v: (total, kv_heads, head_dim) (GQA: heads % kv_heads == 0).
         cu_seqlens: int32 (num_seqs + 1,) boundaries, from 0 to total, strictly increasing;
-            max_seqlen: longest sequence (computed if None; checked if given).
+            max_seqlen: longest sequence (computed if None; checked if given). On a GPU kernel, boundaries on the
+            GPU with ``max_seqlen`` given are not read back (no host sync): they are checked by a device-side
+            assertion (:func:`reads_bounds`, :func:`assert_cu_on_device`); otherwise they are read once.
         causal: mask future tokens; softmax_scale: default ``head_dim ** -0.5``.
         window: sliding-window size (a query sees at most the ``window`` most recent keys), or None.
 
@@ -152,22 +185,32 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     Raises:
         PackingError: boundaries or shapes that cannot describe one packed row.
     """
-    bounds = _check(q, k, v, cu_seqlens)
+    _check(q, k, v, cu_seqlens)
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise PackingError(f"varlen_attention: window must be a positive int or None, got {window!r}")
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    device = cu_seqlens.device.type if isinstance(cu_seqlens, torch.Tensor) else "cpu"
+    if not reads_bounds(_kind(q, dropout_p), device, max_seqlen):
+        # a GPU kernel, the boundaries on the GPU and their longest given: no host sync (checked on the device)
+        longest = int(max_seqlen)  # type: ignore[arg-type]
+        assert_cu_on_device(cu_seqlens, q.shape[0], longest)
+        return _varlen(q, k, v, cu_seqlens, None, longest, causal=causal, softmax_scale=scale, window=window,
+                       dropout_p=dropout_p)
+    bounds = check_cu_seqlens(cu_seqlens, q.shape[0], "varlen_attention: cu_seqlens")
     longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     if max_seqlen is not None and int(max_seqlen) != longest:
         raise PackingError(f"varlen_attention: max_seqlen {int(max_seqlen)} but the longest sequence of "
                            f"{list(bounds)} has {longest} tokens")
-    if window is not None and (not isinstance(window, int) or window < 1):
-        raise PackingError(f"varlen_attention: window must be a positive int or None, got {window!r}")
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     return _varlen(q, k, v, cu_seqlens, bounds, longest, causal=causal, softmax_scale=scale, window=window,
                    dropout_p=dropout_p)
 
 
 def _varlen(q, k, v, cu_seqlens, bounds, max_seqlen, *, causal, softmax_scale, window, dropout_p):
-    """Validated inputs: ``bounds`` are cu_seqlens as Python ints (computed once per step by the caller). Every
-    patched attention layer calls this: CPU tensors go straight to the SDPA path (no helper calls)."""
-    kind = _backends.varlen_kernel(dropout_p != 0.0) if q.is_cuda and q.dtype in _HALF else "sdpa"
+    """Validated inputs: ``bounds`` are cu_seqlens as Python ints (computed once per step by the caller), or None
+    where a GPU kernel takes them from the device unread (:func:`reads_bounds`; read here only if the kernel
+    cannot serve the call after all). Every patched attention layer calls this: CPU tensors go straight to the
+    SDPA path (no helper calls)."""
+    kind = _kind(q, dropout_p)
     if kind != "sdpa":
         from ._kernels import attention_calls as calls
 
@@ -183,6 +226,8 @@ def _varlen(q, k, v, cu_seqlens, bounds, max_seqlen, *, causal, softmax_scale, w
         if calls.passed(kind, q, k, causal, window) or _prove_gpu(kind, q, k, v, causal, softmax_scale, window):
             return _gpu_call(kind, q, k, v, cu_seqlens.to(device=q.device, dtype=torch.int32), max_seqlen, causal,
                              softmax_scale, window, dropout_p)
+    if bounds is None:  # the kernel could not serve the call: the SDPA path reads the boundaries (one sync)
+        bounds = check_cu_seqlens(cu_seqlens, q.shape[0], "varlen_attention: cu_seqlens")
     if torch.compiler.is_compiling():
         # traced: one SDPA call under a block-diagonal mask built from cu by tensor ops (upstream's masking), so the
         # graph does not specialise on the sequence count or lengths; eager keeps the per-sequence SDPA calls

@@ -114,9 +114,15 @@ class Rotation:
         self.trig = kernels.Trig(cos, sin, "neox" if rotation == "deinterleave" else rotation, plan.gptj_cos)
 
     def _triton(self, fam, q, k, cos, sin, explicit):
-        mod = _triton_for(fam, q)
         if compiling():
-            return False  # traced by torch.compile: the composite, which the compiler fuses (documented)
+            # traced by torch.compile: the composite, which the compiler fuses (documented); an explicit
+            # impl="triton" is told so while dynamo traces (no graph break)
+            if explicit:
+                _say_traced(f"tfcompat apply_rope(impl='triton') for {fam.name} under torch.compile: the compiler "
+                            f"traces and fuses the composite (exact, as upstream) instead of launching the kernel; "
+                            f"impl='auto' does the same without this warning")
+            return False
+        mod = _triton_for(fam, q)
         why = "cos/sin need gradients (the kernel differentiates q and k only)" if not self.cacheable else \
             mod.unfit(q, k, cos, self.seq_dim, self.section)
         if why:
@@ -166,6 +172,17 @@ def _say_once(message):
     if message not in _SAID:
         _SAID.add(message)
         warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _say_traced(message):
+    """:func:`_say_once` from code torch.compile traces: dynamo calls it once while tracing and keeps its result
+    as a constant, so the warning costs no graph break (``fullgraph=True`` compiles; tests/test_compile.py)."""
+    _say_once(message)
+    return True
+
+
+# what torch.compiler.assume_constant_result sets (torch 2.7-2.13), without importing torch._dynamo (~2 s) here
+_say_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def for_layers(carried, q, k, family, section, res):
