@@ -112,7 +112,8 @@ def _batching(case, processes):
 def _args(folder, trl=None, **extra):
     kw = dict(output_dir=folder, max_steps=STEPS, learning_rate=LR,
               logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0,
-              disable_tqdm=True, average_tokens_across_devices=True, **extra)
+              disable_tqdm=True, average_tokens_across_devices=True)
+    kw.update(extra)
     if trl is not None:
         return trl.SFTConfig(padding_free=kw.pop("padding_free", False), max_length=None, bf16=False, **kw)
     import transformers
@@ -262,9 +263,49 @@ def _refusals_case(rank, folder):
         trainer.evaluate()
 
 
+#: one-token examples: no targets (the flattening collator masks a sequence's first token); drawn so that step 1 has
+#: micro-batches with and without targets (the test asserts it)
+EMPTY_LENGTHS = [1, 5, 1, 1, 3, 6, 1, 4, 2, 1, 7, 1, 1, 3, 5, 1]
+
+
+class _Counting:
+    """A collator (the flattening one, or the padded reference's), noting each micro-batch's target count."""
+
+    def __init__(self, collator):
+        self.collator, self.targets = collator, []
+
+    def __call__(self, features):
+        out = self.collator(features)
+        self.targets.append(int(out["labels"].ne(-100).sum()))
+        return out
+
+
+def _empty_rows_case(rank, folder):
+    """Rows without targets, with num_items_in_batch per rank (average_tokens_across_devices=False, 4.x's default):
+    the owner's loss is NaN (0 / 0), which the Trainer's NaN filter drops on that rank only. The SP run (Ulysses 2 x
+    data parallel 2) against plain DDP over the same 4 ranks on padded batches of the same draws: the logged losses."""
+    import transformers
+
+    _trainer_env(rank)
+    examples = [{"input_ids": tiny_sequence(TEXT, text=k)} for k in EMPTY_LENGTHS]
+    got = {}
+    for run in ("sp", "ddp"):
+        model = tiny_model(TEXT)
+        if run == "sp":
+            tfcompat.patch(model, slice_inputs=True, **_groups("dp2xsp2"))
+        collator = _Counting(transformers.DataCollatorWithFlattening() if run == "sp" else _PaddedCollator(None))
+        args = _args(os.path.join(folder, f"empty-{run}"), average_tokens_across_devices=False,
+                     **_batching("", WORLD))
+        trainer = _sp_trainer(transformers.Trainer) if run == "sp" else transformers.Trainer
+        losses, params = _train(trainer, model, args, examples, collator)
+        got[run] = {"losses": losses, "params": params, "targets": collator.targets}
+    torch.save(got, os.path.join(folder, f"empty-{rank}.pt"))
+
+
 def _cases(rank, world, folder):
     cases = [(case, functools.partial(_worker_case, rank, folder, case, name, layout, client))
              for case, name, layout, client in CASES]
+    cases.append(("empty_rows", functools.partial(_empty_rows_case, rank, folder)))
     return run_cases(rank, cases + [("refusals", functools.partial(_refusals_case, rank, folder))])
 
 
@@ -322,3 +363,22 @@ def test_what_the_sequence_parallel_step_cannot_run_is_refused_on_every_rank(ran
     """A model not patched for it, or patched without slice_inputs=True, padded batches of several rows, label
     smoothing, evaluation: UlyssesError naming what to change, on all 4 ranks."""
     assert_ok(ran[1], "refusals")
+
+
+def test_rows_without_targets_log_what_plain_data_parallelism_logs(ran):
+    """A micro-batch of one-token rows has no targets: with each rank's own num_items_in_batch its loss is NaN, and
+    the Trainer drops it on that rank alone. Every rank now logs its own row's loss (every share of it summed over
+    the group), so the logged losses are plain DDP's (before: every rank summed NaN into its loss and logged 0.0),
+    and so are the parameters."""
+    folder, outcomes = ran
+    assert_ok(outcomes, "empty_rows")
+    runs = [torch.load(os.path.join(folder, f"empty-{rank}.pt")) for rank in range(WORLD)]
+    first = [r["ddp"]["targets"][0] for r in runs]
+    assert 0 in first and max(first) > 0, f"step 1 needs rows with and without targets, drew {first}"
+    assert [r["sp"]["targets"] for r in runs] == [r["ddp"]["targets"] for r in runs]
+    want, got = runs[0]["ddp"]["losses"], runs[0]["sp"]["losses"]
+    assert len(want) == STEPS and want[0] > 0
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-4, nan_ok=True)
+    for n, p in runs[0]["ddp"]["params"].items():
+        torch.testing.assert_close(runs[0]["sp"]["params"][n], p, rtol=0, atol=0.02 * LR * STEPS, equal_nan=True,
+                                   msg=n)

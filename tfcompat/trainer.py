@@ -108,18 +108,17 @@ class SequenceParallelMixin:
         if why:
             raise UlyssesError(f"{_WHAT}: {why}")
         rows = _group_rows(dict(inputs), num_items_in_batch, split, self.args.device)
-        total = None
+        shares = []
         for i, (row, items) in enumerate(rows):
             last = i == len(rows) - 1  # DDP synchronises the gradients once, after the group's last row
             sync = contextlib.nullcontext() if last else self.accelerator.no_sync(model)
             self._tfcompat_split = split
             try:
                 with sync:
-                    loss = super().training_step(model, row, items, *args, **kwargs)
+                    shares.append(super().training_step(model, row, items, *args, **kwargs))
             finally:
                 self._tfcompat_split = None
-            total = loss if total is None else total + loss
-        return total
+        return _own_loss(shares, split)
 
     def prediction_step(self, model, inputs, *args, **kwargs):
         # evaluation and predict(): each rank would return its share of the logits of its own row
@@ -160,6 +159,23 @@ class SequenceParallelMixin:
         if normalised and getattr(self.args, "average_tokens_across_devices", False):
             loss = loss * self.accelerator.num_processes  # as Trainer.compute_loss scales it
         return (loss, outputs) if return_outputs else loss
+
+
+def _own_loss(shares, split):
+    """What this rank logs: the loss of its own row (the sum of every rank's share of it), as the run without
+    sequence parallelism logs it. The Trainer drops a NaN step loss rank by rank (``logging_nan_inf_filter``): a
+    row without targets (NaN where ``num_items_in_batch`` is its own, 0) is then dropped on its owner only. The
+    rows are those of :func:`_group_rows`, the same on every rank of the group: row ``c * U + u`` is the row of
+    context rank c, Ulysses rank u; a sum over both groups adds every rank's share of each."""
+    losses = torch.stack([loss.detach().reshape(()) for loss in shares])
+    own, width = 0, 1
+    for key in ("group", "context_group"):  # Ulysses varies fastest: _group_rows' inner exchange
+        group = split.get(key)
+        if group is not None:
+            dist.all_reduce(losses, group=group)
+            own += dist.get_group_rank(group, dist.get_rank()) * width
+            width *= dist.get_world_size(group)
+    return losses[own].to(shares[0].dtype)
 
 
 def _check_row(inputs):
