@@ -25,8 +25,10 @@ HAVE = patchable()
 # Qwen2 (sliding-window settings), Qwen3 (layer_types: one mask per layer type under a static cache), the mRoPE
 # layouts: contiguous (Qwen2-VL, GLM-4V) and interleaved with deepstack (Qwen3-VL)
 NAMES = [n for n in ("qwen2", "qwen3", "qwen2_vl", "glm4v", "qwen3_vl") if n in HAVE]
+# sample / assisted_sample: upstream's own generation tests (test_sample_generate, test_assisted_decoding_sample), the
+# same seed for both models
 PATHS = ("left_padding", "right_padding", "static", "sliding_window", "compiled", "continue", "assisted",
-         "prompt_lookup", "beam")
+         "prompt_lookup", "beam", "sample", "assisted_sample")
 UPSTREAM_LIMITS = (ValueError, RuntimeError, TypeError, AttributeError, NotImplementedError, IndexError, KeyError)
 
 
@@ -49,7 +51,7 @@ def _call(name, path):
         ids = torch.tensor([rows[0] + [0, 0, 0]])
         mask = torch.tensor([[1] * len(rows[0]) + [0, 0, 0]])
         images = int(vision)
-    elif path in ("assisted", "prompt_lookup", "continue"):
+    elif path in ("assisted", "assisted_sample", "prompt_lookup", "continue"):
         ids, mask = _left_padded([tiny_sequence(name, text=6, image=vision)])
         images = int(vision)
     else:
@@ -69,6 +71,8 @@ def _call(name, path):
         kw["prompt_lookup_num_tokens"] = 2
     elif path == "beam":
         kw.update(num_beams=2, num_return_sequences=2)
+    elif path in ("sample", "assisted_sample"):
+        kw.update(do_sample=True, top_k=0, num_return_sequences=1 if path == "assisted_sample" else 2)
     else:
         kw.update(output_logits=True, return_dict_in_generate=True)
     return ids, mask, tiny_pixels(images), kw
@@ -84,8 +88,9 @@ def _generate(model, name, path, ids, mask, pixels, kw, assistant=None, types=Tr
     extra = forward_kwargs(model, ids, **pixels)
     if not types:  # as 4.x callers and processors call it
         extra.pop("mm_token_type_ids", None)
-    if path == "assisted":
+    if path.startswith("assisted"):
         kw = dict(kw, assistant_model=assistant)
+    torch.manual_seed(0)  # sampling: the same draws for the patched and the unpatched model
     out = model.generate(input_ids=ids, attention_mask=mask, **extra, **kw)
     if path != "continue":
         return out
@@ -112,7 +117,7 @@ def _both(name, path, ids, mask, pixels, kw, overrides=None, types=True):
     the path. The patched model is returned too (its hooks are checked by some tests)."""
     overrides = overrides or {}
     plain = tiny_model(name, **overrides)
-    helper = tiny_model(name, seed=1, **overrides) if path == "assisted" else None
+    helper = tiny_model(name, seed=1, **overrides) if path.startswith("assisted") else None
     try:
         want = _generate(plain, name, path, ids, mask, pixels, kw, helper)
     except UPSTREAM_LIMITS as exc:
@@ -155,7 +160,7 @@ def test_generate_without_mm_token_type_ids_equals_the_unpatched_model_with_them
     assert "_prepare_position_ids_for_generation" not in model.__dict__
 
 
-MASKED_CASES = [(n, p) for n in NAMES for p in ("assisted", "left_padding")]
+MASKED_CASES = [(n, p) for n in NAMES for p in ("assisted", "assisted_sample", "left_padding")]
 
 
 @pytest.mark.parametrize("name,path", MASKED_CASES)
