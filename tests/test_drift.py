@@ -173,6 +173,7 @@ def test_mrope_interleaved_the_release_does_not_follow(name, interleaved, tmp_pa
     key = "rope_parameters" if isinstance(text.get("rope_parameters"), dict) else "rope_scaling"
     text.setdefault(key, {"rope_type": "default", "mrope_section": [2, 1, 1]})
     (text[key] if isinstance(text.get(key), dict) else text)["mrope_interleaved"] = interleaved
+    raw.pop("transformers_version")  # edited by hand: no saving release to compare with (the keys are read)
     (tmp_path / "config.json").write_text(json.dumps(raw))
     records = [r for r in drift(str(tmp_path)) if r.key == "mrope_interleaved"]
     if interleaved == (name == "qwen3_vl"):
@@ -200,6 +201,7 @@ def test_head_dim_drift_against_the_attention_upstream_builds(name, tmp_path):
     raw = json.load(open(tmp_path / "config.json"))
     text = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
     text["head_dim"] = 2 * text["hidden_size"] // text["num_attention_heads"]
+    raw.pop("transformers_version")  # edited by hand: no saving release to compare with (the keys are read)
     (tmp_path / "config.json").write_text(json.dumps(raw))
     config = AutoConfig.from_pretrained(tmp_path, local_files_only=True)
     try:
@@ -238,6 +240,7 @@ def test_width_and_type_drift_against_what_upstream_builds(edit, tmp_path):
         raw["partial_rotary_factor"] = 0.5
     else:
         rope["rope_theta"] = "1000000.0"
+    raw.pop("transformers_version")  # edited by hand: no saving release to compare with (the keys are read)
     (tmp_path / "config.json").write_text(json.dumps(raw))
     if edit == "string_theta":
         try:
@@ -253,3 +256,99 @@ def test_width_and_type_drift_against_what_upstream_builds(edit, tmp_path):
     built_rotary = 2 * model.model.rotary_emb.inv_freq.numel()
     keys = {r.key for r in drift(str(tmp_path))}
     assert ("partial_rotary_factor" in keys) == (built_rotary != head_dim // 2), (keys, built_rotary)
+
+
+SWEEP = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "data", "drift", "*--saved-by-*")))
+
+
+def _this_release_computes(folder):
+    """The logits this release's own model computes from the saved file (loaded as this release loads it) on the
+    sweep's weights and row; None where the release cannot build or run it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "drift_sweep", os.path.join(os.path.dirname(__file__), "..", "tools", "drift_sweep.py"))
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    from transformers import AutoConfig
+
+    try:
+        return sweep.logits(AutoConfig.from_pretrained(folder, local_files_only=True))
+    except Exception:
+        return None
+
+
+def test_drift_sweep_against_the_models_themselves():
+    """Tiny configs saved by 4.51.3, 4.52.4, 4.53.3, 4.57.6, 5.0.0, 5.10.4 and 5.24.0 (tools/drift_sweep.py: sliding
+    windows as each release writes them, partial rotary factors, GLM-4's rotary, a theta), loaded by this
+    environment's release. Oracle: the saving release's own model (its logits, saved beside the file) against this
+    release's model of the same file, weights and row. Where they differ (or this release cannot run the file),
+    drift or check must say so (a miss otherwise); where they agree, it must say nothing (a false alarm
+    otherwise). 0 of each."""
+    import transformers
+
+    from tfcompat.errors import TfcompatError
+
+    assert len(SWEEP) >= 80, "the sweep's saved files are missing"
+    misses, false_alarms, agreed, drifted = [], [], 0, 0
+    for folder in SWEEP:
+        want = torch.tensor(json.load(open(os.path.join(folder, "logits.json"))))
+        got = _this_release_computes(folder)
+        differs = got is None or got.shape != want.shape or not torch.allclose(got, want, rtol=1e-3, atol=1e-3)
+        try:
+            said = [d.line() for d in drift(folder)]
+        except TfcompatError as exc:
+            said = [f"refused: {exc}"]
+        name = os.path.basename(folder)
+        if differs and not said:
+            misses.append(name)
+        elif not differs and said:
+            false_alarms.append(f"{name}: {said}")
+        drifted += differs
+        agreed += not differs
+    assert not misses and not false_alarms, (f"transformers {transformers.__version__}: {len(misses)} misses "
+                                             f"{misses}, {len(false_alarms)} false alarms {false_alarms}")
+    assert agreed and drifted or transformers.__version__ in ("4.51.3",), (agreed, drifted)
+
+
+def test_the_partial_rotary_readings_drift_assumes_are_this_releases():
+    """What drift assumes a saving release built from ``partial_rotary_factor`` (_saved_partial), held to this
+    release's own rotary modules: on 4.x every family reads the top-level key; on 5.x the families whose table entry
+    says reads_partial_rotary=False rotate the whole head wherever the key is, those with True read rope_parameters."""
+    import tempfile
+
+    from tfcompat._probe import drift as probe
+    from tfcompat._probe.families import FAMILIES
+    from tfcompat.testing import tiny_config
+
+    from _helpers import installed
+
+    major = transformers_version().major
+    checked = []
+    for name in sorted(set(installed()) & set(FAMILIES)):
+        if FAMILIES[name].nope:
+            continue
+        try:
+            raw = tiny_config(name).to_dict()
+        except Exception:
+            continue
+        raw.pop("transformers_version", None)
+        text = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
+        if major < 5:
+            text["partial_rotary_factor"] = 0.5
+        else:
+            text["rope_parameters"] = dict(text.get("rope_parameters") or {"rope_type": "default",
+                                                                           "rope_theta": 10000.0},
+                                           partial_rotary_factor=0.5)
+        folder = tempfile.mkdtemp()
+        json.dump(raw, open(os.path.join(folder, "config.json"), "w"))
+        try:
+            built = probe._built(probe.load_config(folder))
+        except Exception:  # this release cannot build the family's rotary from a tiny file (the omni models)
+            continue
+        if major >= 5 and FAMILIES[name].reads_partial_rotary not in (True, False):
+            continue  # changed between 5.x releases: drift reads the file's keys
+        whole = major >= 5 and FAMILIES[name].reads_partial_rotary is False
+        assert built["rotary_dim"] == (built["head_dim"] if whole else built["head_dim"] // 2), (name, built)
+        checked.append(name)
+    assert {"llama", "qwen2", "qwen3"} <= set(checked), checked

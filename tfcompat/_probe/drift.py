@@ -1,9 +1,14 @@
 """Config drift: what the installed release makes of a config.json saved by another release.
 
-The file's RoPE facts (where each release writes them: ``rope_parameters`` on 5.x, ``rope_scaling`` and a top-level
-``rope_theta`` on 4.x, under ``text_config`` for VL families) against what this release builds from the same file:
-its own rotary module, built from the loaded config, read back (``inv_freq``, ``rope_type``), never a table of
-which release reads which key. Patch-time code: nothing per step imports it.
+The model the release that saved the file built (its ``transformers_version``) against what this release builds
+from the same file: this release's own rotary module and attention, built from the loaded config and read back
+(``inv_freq``, ``rope_type``, the windowed layers). A file saved by this release is the model this release builds
+(no drift). For another release, the file's RoPE facts (where each release writes them: ``rope_parameters`` on 5.x,
+``rope_scaling`` and a top-level ``rope_theta`` on 4.x, under ``text_config`` for VL families), read as that release
+read them where releases differ (measured; the family table's ``reads_partial_rotary`` and
+``one_mask_before_4_53``); a file that
+names no release (or a development build) is read by its keys, and the record says so. tests/test_drift.py's sweep
+holds this to the models themselves (tools/drift_sweep.py). Patch-time code: nothing per step imports it.
 """
 
 from __future__ import annotations
@@ -91,7 +96,9 @@ def raw_of(path_or_config):
         except (OSError, ValueError) as exc:
             raise ConfigError(f"tfcompat.config.drift: cannot read {path}: {exc}") from None
     if hasattr(path_or_config, "to_dict"):
-        return path_or_config.to_dict()
+        raw = path_or_config.to_dict()
+        raw.pop("transformers_version", None)  # to_dict writes this release's, not the release that saved the file
+        return raw
     raise ConfigError(f"tfcompat.config.drift: pass a config.json path, a checkpoint folder or a loaded config, got "
                       f"{type(path_or_config).__name__}")
 
@@ -190,14 +197,21 @@ def compare(raw: dict, config: Any) -> list:
 
     if family(config).nope:
         return []
-    want, got = _intent(raw), _built(config)
-    release = _release()
+    fam = family(config)
+    want, saved, release = _intent(raw), _saved_by(raw), _release()
+    theta = want["rope_theta"]
+    if saved is not None and str(saved) == release:
+        # saved by this release: the model it builds from the file is the model the file was saved from; a
+        # malformed value stays refused
+        if isinstance(theta, str):
+            return [Drift("rope_theta", theta, None, "a string in the file; a number is meant")]
+        return []
+    got = _built(config)
     out = []
     if want["rope_type"] not in (None, got["rope_type"]) and not (want["rope_type"] in ("mrope", "default") and
                                                                   got["rope_type"] == "default"):
         out.append(Drift("rope_type", want["rope_type"], got["rope_type"],
                          f"transformers {release}'s rotary module builds {got['rope_type']!r} from this file"))
-    theta = want["rope_theta"]
     if isinstance(theta, str):
         out.append(Drift("rope_theta", theta, got["rope_theta"], "a string in the file; a number is meant"))
     elif theta is not None and got["rope_theta"] is not None and \
@@ -207,16 +221,53 @@ def compare(raw: dict, config: Any) -> list:
                          f"transformers {raw.get('transformers_version', 'unknown')}); the model would train "
                          f"with theta {got['rope_theta']:g}"))
     out += _shape_drift(raw, config, want, got, release)
-    out += _window_drift(raw, config, release)
-    factor = want["partial_rotary_factor"]
+    out += _window_drift(raw, config, release, fam, saved)
+    factor, reading = _saved_partial(raw, want, fam, saved)
     if isinstance(factor, (int, float)) and not isinstance(factor, bool) and got["head_dim"]:
         meant = int(got["head_dim"] * float(factor))
         meant -= meant % 2
         if meant != got["rotary_dim"]:
             out.append(Drift("partial_rotary_factor", factor, got["rotary_dim"] / got["head_dim"],
                              f"transformers {release}'s rotary module rotates {got['rotary_dim']} of "
-                             f"{got['head_dim']} channels, not {meant}"))
+                             f"{got['head_dim']} channels, not {meant} ({reading})"))
     return out
+
+
+def _saved_by(raw):
+    """The release that saved the file (its ``transformers_version``); None where it names none, or one whose
+    reading is not a release's: a development or pre-release build (Qwen3.5's published files name 4.57.0.dev0 and
+    hold 5.x keys), or a 4.x version on a file with ``rope_parameters``, a key no 4.x release writes."""
+    from packaging.version import InvalidVersion, Version
+
+    value = raw.get("transformers_version")
+    try:
+        saved = Version(str(value)) if value else None
+    except InvalidVersion:
+        return None
+    if saved is None or saved.is_devrelease or saved.is_prerelease:
+        return None
+    if saved.major < 5 and ("rope_parameters" in raw or "rope_parameters" in _text_part(raw)):
+        return None
+    return saved
+
+
+def _saved_partial(raw, want, fam, saved):
+    """``(factor, how it was read)``: the partial rotary factor the saving release built from the file."""
+    text = _text_part(raw)
+    if saved is None:
+        return want["partial_rotary_factor"], \
+            "the file names no saving release: read from its keys, rope_parameters first"
+    if saved.major < 5:
+        return text.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)), \
+            f"transformers {saved}, which saved it, read the top-level key"
+    # 5.x: the family table's reads_partial_rotary (measured on 5.0.0-5.24.0; tests/test_drift.py holds it to the
+    # installed release); where it changed between 5.x releases, the keys are read
+    reads = fam.reads_partial_rotary
+    if reads is False:
+        return 1.0, f"transformers {saved}, which saved it, rotates the whole head of {fam.name} whatever the key says"
+    if reads is True:
+        return want["partial_rotary_factor"], f"transformers {saved}, which saved it, read rope_parameters"
+    return want["partial_rotary_factor"], f"read from the file's keys: 5.x releases read it differently for {fam.name}"
 
 
 #: keys a VL config nests under ``text_config`` that decide RoPE and attention (a flat release reads the top level)
@@ -266,9 +317,10 @@ def _interleave_drift(config, interleaved, release):
                   f"transformers {release} folds {fam.name}'s mRoPE sections {folds} whatever the file sets")]
 
 
-def _window_intent(raw):
-    """``(window, the layers the file windows)`` where the file says it unambiguously: ``layer_types`` for every
-    layer, or ``use_sliding_window: false`` (no layer); None where it says nothing (no window, or the meaning of
+def _window_intent(raw, fam=None, saved=None):
+    """``(window, the layers the saving release windowed)``: where the file says it unambiguously (``layer_types``
+    for every layer, or ``use_sliding_window: false``), or by the saving release's one-mask rule (the family
+    table's ``one_mask_before_4_53``); None where neither tells (no window, or the meaning of
     ``max_window_layers`` alone, which families number differently)."""
     text = _text_part(raw)
 
@@ -278,6 +330,9 @@ def _window_intent(raw):
     window, layers = get("sliding_window"), get("num_hidden_layers")
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0 or not isinstance(layers, int):
         return None
+    if fam is not None and fam.one_mask_before_4_53 and saved is not None and saved.release < (4, 53):
+        every = saved.release < (4, 52) or get("use_sliding_window") is True
+        return window, frozenset(range(layers)) if every else frozenset()
     types = get("layer_types")
     if isinstance(types, list) and len(types) == layers:
         return window, frozenset(i for i, t in enumerate(types) if t == "sliding_attention")
@@ -294,14 +349,14 @@ def _layers(windowed, total):
     return f"layers {sorted(windowed)}"
 
 
-def _window_drift(raw, config, release):
+def _window_drift(raw, config, release, fam=None, saved=None):
     """The layers the file windows against the layers this release's model windows (its own eager attention
     on a tiny copy with these settings: ``window._probe``), where the window is shorter than the model's longest
     position (a window no shorter than every row changes nothing)."""
     from .families import family
     from .window import probed
 
-    intent = _window_intent(raw)
+    intent = _window_intent(raw, fam, saved)
     text = text_config(config)
     longest = getattr(text, "max_position_embeddings", None)
     if intent is None or (isinstance(longest, int) and intent[0] >= longest):
@@ -314,9 +369,11 @@ def _window_drift(raw, config, release):
     if built == meant:
         return []
     return [Drift("sliding_window", f"{window} on {_layers(meant, total)}", f"{window} on {_layers(built, total)}",
-                  f"transformers {release}'s attention windows other layers than the file sets (its own eager "
-                  f"attention on a tiny copy with these settings); sequences longer than {window} tokens would "
-                  f"train with another attention")]
+                  f"transformers {release}'s attention windows other layers than "
+                  + (f"transformers {saved}, which saved the file, did" if saved is not None else
+                     "the file sets (it names no saving release: read from its keys)")
+                  + f" (this release's own eager attention on a tiny copy with these settings); sequences longer "
+                  f"than {window} tokens would train with another attention")]
 
 
 def _release():

@@ -33,6 +33,10 @@ class Family:
     #: partial_rotary_factor the 5.x rotary module honours (4.x: every model reads the attribute);
     #: PROBE_ONLY where it changed between releases
     reads_partial_rotary: Union[bool, str] = False
+    #: 4.51-4.52 models build one sliding-window mask for every layer (measured, sdpa and eager): 4.51 wherever
+    #: ``sliding_window`` is set (even with ``use_sliding_window: false``), 4.52 where ``use_sliding_window`` is true
+    #: too (``max_window_layers`` unread); from 4.53 ``layer_types`` decides, and saved files carry them
+    one_mask_before_4_53: bool = False
     #: model_type strings of the text config (and odd spellings seen in the wild)
     aliases: tuple = ()
     #: first transformers release that ships the model folder
@@ -116,9 +120,9 @@ FAMILIES = {
         Family("llama", "llama", "Llama", "LlamaAttention", "LlamaRotaryEmbedding", "neox",
                config_class="LlamaConfig"),
         Family("qwen2", "qwen2", "Qwen2", "Qwen2Attention", "Qwen2RotaryEmbedding", "neox",
-               config_class="Qwen2Config"),
+               config_class="Qwen2Config", one_mask_before_4_53=True),
         Family("qwen3", "qwen3", "Qwen3", "Qwen3Attention", "Qwen3RotaryEmbedding", "neox",
-               config_class="Qwen3Config"),
+               config_class="Qwen3Config", one_mask_before_4_53=True),
         Family("qwen2_moe", "qwen2_moe", "Qwen2Moe", "Qwen2MoeAttention", "Qwen2MoeRotaryEmbedding", "neox",
                config_class="Qwen2MoeConfig", tiny_text=_MOE),
         Family("qwen3_moe", "qwen3_moe", "Qwen3Moe", "Qwen3MoeAttention", "Qwen3MoeRotaryEmbedding", "neox",
