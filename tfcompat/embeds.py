@@ -25,7 +25,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import TYPE_CHECKING, Any, Optional
 
 from ._probe import transformers4
@@ -152,8 +151,19 @@ def dummy_visual_zero(model: torch.nn.Module) -> torch.Tensor:
     return zero
 
 
-@functools.lru_cache(maxsize=None)
+_TIE = None
+
+
 def _tie_function():
+    """The autograd function of :func:`tie_zero`, built once a process (``patch()`` builds it, so a region
+    torch.compile traces only reads it)."""
+    global _TIE
+    if _TIE is None:
+        _TIE = _build_tie()
+    return _TIE
+
+
+def _build_tie():
     import torch
 
     class TieZero(torch.autograd.Function):

@@ -226,12 +226,12 @@ def _varlen(q, k, v, cu_seqlens, bounds, max_seqlen, *, causal, softmax_scale, w
         if calls.passed(kind, q, k, causal, window) or _prove_gpu(kind, q, k, v, causal, softmax_scale, window):
             return _gpu_call(kind, q, k, v, cu_seqlens.to(device=q.device, dtype=torch.int32), max_seqlen, causal,
                              softmax_scale, window, dropout_p)
-    if bounds is None:  # the kernel could not serve the call: the SDPA path reads the boundaries (one sync)
-        bounds = check_cu_seqlens(cu_seqlens, q.shape[0], "varlen_attention: cu_seqlens")
     if torch.compiler.is_compiling():
         # traced: one SDPA call under a block-diagonal mask built from cu by tensor ops (upstream's masking), so the
         # graph does not specialise on the sequence count or lengths; eager keeps the per-sequence SDPA calls
         return _sdpa_masked(q, k, v, cu_seqlens, softmax_scale, causal, window, dropout_p)
+    if bounds is None:  # the kernel could not serve the call: the SDPA path reads the boundaries (one sync)
+        bounds = check_cu_seqlens(cu_seqlens, q.shape[0], "varlen_attention: cu_seqlens")
     return _sdpa_fallback(q, k, v, bounds, softmax_scale, causal, window, dropout_p)
 
 
@@ -239,9 +239,15 @@ def _sdpa_masked(q, k, v, cu, scale, causal, window, dropout_p):
     """Attention inside each packed sequence as one SDPA call: token i attends key j of its own sequence (j <= i
     when causal, i - j < window with a window). What the patched model runs under torch.compile on the SDPA
     path; equal to :func:`_sdpa_fallback` up to the kernels' rounding (tests/test_compile.py)."""
-    total = q.shape[0]
-    pos = torch.arange(total, device=q.device)
+    pos = torch.arange(q.shape[0], device=q.device)
     seq = torch.searchsorted(cu[1:].to(device=q.device, dtype=torch.long), pos, right=True)
+    return _sdpa_by_seq(q, k, v, seq, scale, causal, window, dropout_p)
+
+
+def _sdpa_by_seq(q, k, v, seq, scale, causal, window, dropout_p):
+    """:func:`_sdpa_masked` from every token's sequence number (``seq``, int64 (total,), non-decreasing)."""
+    pos = torch.arange(q.shape[0], device=q.device)
+    seq = seq.to(q.device)
     mask = seq[:, None] == seq[None, :]
     dist = pos[:, None] - pos[None, :]
     if causal:

@@ -114,6 +114,11 @@ def select(op: str, device: Any, dtype: Any = None, dropout: bool = False) -> st
     return _select(op, kind, None if dtype is None else str(dtype).replace("torch.", ""), dropout)
 
 
+# a decision of the process, not of the traced values: torch.compile takes its result as a constant (what
+# torch.compiler.assume_constant_result sets, torch 2.7-2.13) instead of tracing through its cache
+select._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 @functools.lru_cache(maxsize=None)
 def _select(op, kind, dtype, dropout):
     """``select`` per (op, device kind, dtype name, dropout), decided once (``impl_for`` runs per apply_rope call);

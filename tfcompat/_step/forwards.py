@@ -166,6 +166,10 @@ def _attend_row(step, q, k, v, scale, window, dropout):
     if step.total != q.shape[0]:
         raise PackingError(f"tfcompat attention: boundaries cover {step.total} tokens but the layer sees "
                            f"{q.shape[0]}; pass boundaries of the whole (gathered) packed row")
+    if step.bounds is None:  # a traced step (whole-model torch.compile): one SDPA call under the step's mask
+        from ..varlen import _sdpa_by_seq
+
+        return _sdpa_by_seq(q, k, v, step.seq, scale, True, window, dropout)
     return _varlen(q, k, v, step.cu, step.bounds, step.max_len, causal=True, softmax_scale=scale, window=window,
                    dropout_p=dropout)
 

@@ -119,6 +119,10 @@ def _remember_explicit(ref, explicit):
     weakly keyed by that input, for a checkpoint wrapper around the module (``checkpoint_wrapper(model.model)``)
     whose recomputation replays the module's call in backward, outside the top-level call."""
     global _CALLS
+    import torch
+
+    if torch.compiler.is_compiling():
+        return  # traced: a checkpoint inside the compiled region replays the traced graph, boundaries included
     if _CALLS is None:
         from torch.utils.weak import WeakIdKeyDictionary
 
@@ -130,7 +134,7 @@ def _recalled_explicit(ref):
     """The boundaries of the forward call being recomputed in backward with this same input, or None."""
     import torch
 
-    if _CALLS is None or ref is None or torch._C._current_graph_task_id() == -1:
+    if _CALLS is None or ref is None or torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
         return None
     return _CALLS.get(ref)
 

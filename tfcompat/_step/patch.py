@@ -106,6 +106,10 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
     windows, windows_how = layer_windows(fam, text_config(config), attention_targets) if attention_targets \
         else ({}, "no attention patched")
     _install_all(model, fam, targets, state_of, classes[3], resolutions, windows)
+    if dummy_visual and fam.vision:
+        from ..embeds import _tie_function
+
+        _tie_function()  # built here: a region torch.compile traces reads it and builds no class
     if not any(kind in ("text", "attention", "linear") for _, kind in targets) and not dummy_visual:
         targets = []  # remove_padding=False, no group, no dummy forward: nothing to do
     n_attn = sum(kind == "attention" for _, kind in targets)

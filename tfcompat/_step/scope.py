@@ -34,6 +34,16 @@ class Packed:
         self.cu, self.max_len = cu, max_len
 
 
+class Tied:
+    """A text-only VL step traced by torch.compile: the towers' zero term, added by the text model to its input
+    embeddings (a forward hook on the embedding cannot be traced)."""
+
+    __slots__ = ("zero",)
+
+    def __init__(self, zero):
+        self.zero = zero
+
+
 class Active:
     __slots__ = ("step",)
 
@@ -59,7 +69,7 @@ def innermost(kind):
 def call_entry():
     """The innermost Named or Active entry (what the call being run was handed), or None."""
     for entry in reversed(getattr(_local, "stack", ()) or ()):
-        if not isinstance(entry, Packed):
+        if not isinstance(entry, (Packed, Tied)):
             return entry
     return None
 

@@ -26,6 +26,10 @@ def text_model_forward(self, *args, **kwargs):
     import torch
 
     state = getattr(self, _ATTR)
+    if torch.compiler.is_compiling() and (tied := _carrier.innermost(_carrier.Tied)) is not None and \
+            tied.zero is not None:
+        with _carrier.carry(_carrier.Tied(None)):  # this call takes it; a nested text model call does not
+            return text_model_forward(self, **_tied(self, tied.zero, args, kwargs))
     explicit = {k: kwargs.pop(k) for k in _FLASH_KWARGS if k in kwargs}
     entry = _carrier.call_entry()
     if not explicit and isinstance(entry, _carrier.Named):
@@ -69,6 +73,19 @@ def text_model_forward(self, *args, **kwargs):
     if step is None:
         return _unpacked(self, state, a, position_ids, changed, args, kwargs)
     return _packed(self, state, a, step, changed)
+
+
+def _tied(self, zero, args, kwargs):
+    """A traced text-only VL step's call (as keyword arguments) with the towers' zero term added to its input
+    embeddings."""
+    from ..embeds import tie_zero
+
+    a = _arguments(self, args, kwargs)
+    if a is None or a.get("inputs_embeds") is None:
+        raise PackingError(f"tfcompat {getattr(self, _ATTR).family}: the text model of a traced text-only step was "
+                           f"called without inputs_embeds; please report it with the transformers release")
+    a["inputs_embeds"] = tie_zero(a["inputs_embeds"], zero)
+    return a
 
 
 def _decoding(a):

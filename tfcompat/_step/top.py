@@ -50,6 +50,18 @@ def _packed_labels(state, kwargs):
     labels = kwargs.get("labels")
     if not isinstance(labels, torch.Tensor) or labels.dim() != 2 or labels.shape[0] != 1 or state.split():
         return
+    if torch.compiler.is_compiling():  # traced: the same rule by tensor ops, the refusal a device-side assertion
+        at = _boundaries.traced_label_starts(kwargs, labels.shape[1])
+        if at is None:
+            return
+        at = at.to(labels.device)
+        if kwargs.get("num_items_in_batch") is not None:
+            _boundaries._assert(~(at & (labels != -100)).any(), (
+                f"{state.family}: labels of a packed row hold targets at sequence starts and num_items_in_batch "
+                f"counted them; set labels to -100 at every sequence start before counting "
+                f"(DataCollatorWithFlattening does), or pass no num_items_in_batch"))
+        kwargs["labels"] = labels.masked_fill(at, -100)
+        return
     starts = label_starts(kwargs, labels.shape[1])
     if not starts:
         return
@@ -91,6 +103,32 @@ def _refuse_whole_row_labels(state, kwargs):
         f"logits, which upstream's loss cannot pair with the whole row's labels; call without labels and "
         f"compute the loss on the gathered logits (tfcompat.ulysses.gather_from_ranks), or on this rank's "
         f"slice of the shifted labels (tfcompat.ulysses.slice_for_rank)")
+
+
+def _traced_tower_zero(owner, state, vision, audio):
+    """Inside a region torch.compile traces: the towers' zero term from their weights (each weighted by 0,
+    summed in fp32), not from a dummy input, whose grid upstream's towers read back to the host (a graph break,
+    or no graph under ``fullgraph=True``). Every weight gets a zero gradient, as DDP needs; the numbers are
+    unchanged. A tower whose weights are sharded (FSDP2, DeepSpeed ZeRO-3) must run its forward on every rank
+    for its gathers to pair: refused, with what to do instead."""
+    import torch
+
+    towers = ([owner.visual] if vision else []) + ([owner.audio_tower] if audio else [])
+    for tower in towers:
+        sharded = next((m for m in tower.modules() if type(m).__name__.startswith("FSDP")), None) is not None or \
+            any(hasattr(p, "ds_id") for p in tower.parameters())
+        if sharded:
+            raise PackingError(
+                f"tfcompat {state.family}: a text-only batch inside a region torch.compile traces, with the vision "
+                f"or audio tower's weights sharded (FSDP2 / ZeRO-3): the tower must run on every rank for its "
+                f"gathers to pair, and upstream's tower cannot be traced; compile the decoder layers instead "
+                f"(layer.compile()), or patch with dummy_visual=False if every rank's batches have the same kind")
+    zero = torch.zeros((), dtype=torch.float32, device=next(towers[0].parameters()).device)
+    for tower in towers:
+        for p in tower.parameters():
+            if p.requires_grad:
+                zero = zero + (p.float() * 0.0).sum()
+    return zero
 
 
 def _with_explicit(run, args, kwargs):
@@ -154,12 +192,18 @@ def vl_forward(self, *args, **kwargs):
     audio = has_audio_tower(self) and a.get("input_features") is None
     if (pixels and not audio) or not state.dummy_visual or not (self.training and torch.is_grad_enabled()):
         return _original(self, state, *args, **kwargs)
-    zero = dummy_visual_zero(self) if not pixels else None
-    if audio:
-        zero = dummy_audio_zero(self) if zero is None else zero + dummy_audio_zero(self)
+    if torch.compiler.is_compiling():
+        zero = _traced_tower_zero(self, state, vision=not pixels, audio=audio)
+    else:
+        zero = dummy_visual_zero(self) if not pixels else None
+        if audio:
+            zero = dummy_audio_zero(self) if zero is None else zero + dummy_audio_zero(self)
     if a.get("inputs_embeds") is not None:
         a["inputs_embeds"] = tie_zero(a["inputs_embeds"], zero)
         return _original(self, state, **a)
+    if torch.compiler.is_compiling():  # the patched text model adds it to the embeddings it is handed
+        with _carrier.carry(_carrier.Tied(zero)):
+            return _original(self, state, *args, **kwargs)
     hook = self.get_input_embeddings().register_forward_hook(lambda m, i, out: tie_zero(out, zero))
     try:
         return _original(self, state, *args, **kwargs)
