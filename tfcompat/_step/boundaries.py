@@ -11,7 +11,7 @@ import dataclasses
 
 from .._probe import families as _families
 from ..errors import PackingError, UlyssesError
-from .scope import Packed, innermost
+from .scope import Packed, first, innermost
 
 # what transformers' DataCollatorWithFlattening can emit beside position ids: consumed by the patched text model
 # (validated once per step, turned into the step's boundaries), never forwarded where upstream misreads them
@@ -124,7 +124,9 @@ def check_position_shape(family, position_ids, batch, local):
 
 def text_row(position_ids):
     """The (batch, seq) text positions of 2-D or 4-row ids; None for 3-row mRoPE ids or none."""
-    if position_ids is None or not hasattr(position_ids, "dim"):
+    import torch
+
+    if not isinstance(position_ids, torch.Tensor):  # (hasattr on a tensor does not trace on torch 2.7's dynamo)
         return None
     if position_ids.dim() == 2:
         return position_ids
@@ -195,7 +197,7 @@ def find_step(state, group, explicit, position_ids, mask, batch, local, device):
     if isinstance(mask, dict):
         # generate() with a static cache or a compiled step builds one mask per layer type (transformers 4.54+
         # for configs with layer_types): each says itself what attends to what, like a 4-D mask
-        mask = next((m for m in mask.values() if m is not None), None)
+        mask = first((m for m in mask.values() if m is not None), None)
     valid = mask_valid(mask, local)
     if cu is not None:
         return _step_of_cu(group, cu, source, explicit, position_ids, valid, batch, total, device)
@@ -437,7 +439,7 @@ def traced_step(state, group, explicit, position_ids, mask, batch, local, device
             f"(its boundaries are gathered over the group and its attention exchanges heads); compile the decoder "
             f"layers instead (layer.compile(), the FSDP2 recipe), which tfcompat supports with sequence groups")
     if isinstance(mask, dict):
-        mask = next((m for m in mask.values() if m is not None), None)
+        mask = first((m for m in mask.values() if m is not None), None)
     cu, source, max_len = _traced_cu(explicit, batch, local)
     seq_idx = explicit.get("seq_idx")
     text = text_row(position_ids)

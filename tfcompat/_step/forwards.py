@@ -222,14 +222,14 @@ def linear_forward(self, hidden_states, *args, **kwargs):
     import torch
 
     state = getattr(self, _ATTR)
-    carrier = next((v for v in (*args, *kwargs.values()) if isinstance(v, _StepMask)), None)
+    carrier = _carrier.first((v for v in (*args, *kwargs.values()) if isinstance(v, _StepMask)), None)
     step = carrier.step if carrier is not None else None
     if step is None:
         if _in_step():
             raise _lost_step(state, self, "the attention mask")
         return _original(self, state, hidden_states, *args, **kwargs)
     args = tuple(None if v is carrier else v for v in args)
-    cache = next((kwargs[n] for n in _CACHE_NAMES if kwargs.get(n) is not None), args[0] if args else None)
+    cache = _carrier.first((kwargs[n] for n in _CACHE_NAMES if kwargs.get(n) is not None), args[0] if args else None)
     if cache is not None or hidden_states.shape[0] != 1:
         raise PackingError(f"tfcompat {state.family}: the packed linear attention takes batch 1 and no cache")
     kwargs = {k: v for k, v in kwargs.items() if k not in _FLASH_KWARGS + ("position_ids", "attention_mask")}

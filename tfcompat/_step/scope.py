@@ -97,3 +97,11 @@ class carry:
 
     def __exit__(self, *exc):
         _stack().pop()
+
+
+def first(values, default=None):
+    """The first of ``values``, or ``default``: ``next(iter, default)`` does not trace on torch 2.7's dynamo (a
+    graph break, or no graph under ``fullgraph=True``)."""
+    for value in values:
+        return value
+    return default

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ..errors import PackingError, UlyssesError
 from .boundaries import explicit_cu, positions_of, text_row
+from .scope import first
 
 
 def _fingerprint(ref, position_ids):
@@ -33,7 +34,7 @@ def check_shards(state, groups, local, batch, ref=None, position_ids=None, whole
     groups = list(groups)
     errors = [check_ulysses_lengths(local, batch, g, state, ref, position_ids, whole, named, raise_=False)
               for g in groups]
-    mine = next((e for e in errors if e is not None), None)
+    mine = first((e for e in errors if e is not None), None)
     if len(groups) > 1:
         flag = torch.tensor([0.0 if mine is None else 1.0], device=ref.device if ref is not None else None)
         if dist.get_backend(groups[0]) == "nccl":

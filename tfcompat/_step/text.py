@@ -68,7 +68,7 @@ def text_model_forward(self, *args, **kwargs):
     plan = _resolve.resolve("attention.signature", state.family).plan
     if position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 4 and not plan.four_row_ids:
         changed["position_ids"] = position_ids[1:]  # this release's text model predates the 4-row layout
-    step = _boundaries.find_step(state, next(iter(split.values()), None), explicit, position_ids,
+    step = _boundaries.find_step(state, _carrier.first(split.values()), explicit, position_ids,
                                  a.get("attention_mask"), batch, local, ref.device)
     if step is None:
         return _unpacked(self, state, a, position_ids, changed, args, kwargs)
@@ -125,7 +125,7 @@ def _unpacked(self, state, a, position_ids, changed, args, kwargs):
         # the numbers of a mask of ones (one unpadded sample per row); transformers 4.53-4.57 crash building
         # the causal mask from 3-row ids without a mask (Qwen2-VL, GLM-4V), and 5.x would read the temporal
         # row as packed-sequence starts. With a KV cache (generate()), the mask covers the cached tokens too.
-        cache = next((a[n] for n in _CACHE_NAMES if a.get(n) is not None), None)
+        cache = _carrier.first((a[n] for n in _CACHE_NAMES if a.get(n) is not None), None)
         past = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
         changed["attention_mask"] = torch.ones((ref.shape[0], past + ref.shape[1]), dtype=torch.long,
                                                device=ref.device)
@@ -147,7 +147,7 @@ def _packed(self, state, a, step, changed):
     module hands the step to the layers on the position embeddings)."""
     import torch
 
-    cache = next((a[n] for n in _CACHE_NAMES if a.get(n) is not None), None)
+    cache = _carrier.first((a[n] for n in _CACHE_NAMES if a.get(n) is not None), None)
     if cache is not None:
         raise _packed_with_cache(state, f"a KV cache ({type(cache).__name__})")
     if a.get("output_attentions"):
@@ -165,3 +165,4 @@ def _packed(self, state, a, step, changed):
     a.update(changed)
     with _carrier.carry(_carrier.Active(step)):
         return _original(self, state, **a)
+

@@ -115,7 +115,7 @@ def _traced_tower_zero(owner, state, vision, audio):
 
     towers = ([owner.visual] if vision else []) + ([owner.audio_tower] if audio else [])
     for tower in towers:
-        sharded = next((m for m in tower.modules() if type(m).__name__.startswith("FSDP")), None) is not None or \
+        sharded = any(type(m).__name__.startswith("FSDP") for m in tower.modules()) or \
             any(hasattr(p, "ds_id") for p in tower.parameters())
         if sharded:
             raise PackingError(
