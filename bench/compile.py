@@ -1,7 +1,8 @@
 """torch.compile over a patched model beside the unpatched model, side by side in one run, on the same rows:
 compile time (the first step), graphs and graph breaks (torch's counting backend over AOT autograd), and the
 mean step time of the steps after the first, against eager. Every step has its own packed boundaries (and
-sequence count), as training steps do; the unpatched model runs the same rows as a padded batch.
+sequence count), as training steps do; the unpatched model runs the same rows as a padded batch. Compiled per
+decoder layer (``layer.compile()``), whole (``model.compile()``) and whole with ``fullgraph=True``.
 
     python bench/compile.py [--family qwen2] [--layers 28] [--steps 8]
 """
@@ -40,6 +41,8 @@ def run(name, layers, steps, patched, how):
             layer.compile(backend=counter)
     elif how == "whole":
         model.compile(backend=counter)
+    elif how == "fullgraph":
+        model = torch.compile(model, backend=counter, fullgraph=True)
     times = []
     for step in range(steps):
         ids, mask = padded_batch(_rows(step))
@@ -69,9 +72,14 @@ def main():
     print(f"{'compile':<10} {'model':<10} {'first step s':>12} {'graphs':>7} {'breaks':>7} {'step ms':>9} "
           f"{'vs eager':>9}")
     eager = {}
-    for how in ("eager", "per layer", "whole"):
+    for how in ("eager", "per layer", "whole", "fullgraph"):
         for patched in (False, True):
-            first, graphs, breaks, ms = run(args.family, args.layers, args.steps, patched, how)
+            try:
+                first, graphs, breaks, ms = run(args.family, args.layers, args.steps, patched, how)
+            except Exception as exc:  # a configuration that does not compile is a row of the table, not the end
+                print(f"{how:<10} {'patched' if patched else 'unpatched':<10} fails: {type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0][:80]}")
+                continue
             eager.setdefault(patched, ms)  # the eager row of the same model comes first
             print(f"{how:<10} {'patched' if patched else 'unpatched':<10} {first:>12.2f} {graphs:>7} {breaks:>7} "
                   f"{ms:>9.1f} {ms / eager[patched]:>8.2f}x")
