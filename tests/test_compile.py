@@ -219,3 +219,34 @@ def test_fullgraph_fails_closed(case):
         torch._dynamo.reset()
     assert isinstance(err.value, TfcompatError) or \
         str(err.value).startswith("tfcompat (checked inside torch.compile)"), str(err.value)[:500]
+
+
+@FULLGRAPH
+def test_fullgraph_decoding_with_a_cache():
+    """A compiled rollout's calls: a prefill that fills a KV cache and a decoding step, batch 1, position ids and
+    no attention_mask, run upstream's path (one sequence with a cache: the compiled step used to take it for a
+    packed row and refuse it) and equal the unpatched model; a packed row with a cache still fails closed (a
+    packed row with ``use_cache=True`` and no cache makes none, as eagerly)."""
+    ids = torch.arange(5, 12)[None]
+    got = {}
+    for patched in (False, True):
+        torch._dynamo.reset()
+        model = tiny_model(WHOLE[0], num_hidden_layers=2)
+        model.eval()
+        if patched:
+            tfcompat.patch(model)
+        run = torch.compile(model, backend="aot_eager", fullgraph=True)
+        with torch.no_grad():
+            first = run(input_ids=ids, position_ids=torch.arange(7)[None], use_cache=True)
+            step = run(input_ids=torch.tensor([[13]]), position_ids=torch.tensor([[7]]),
+                       past_key_values=first.past_key_values, use_cache=True)
+        got[patched] = (first.logits, step.logits)
+        if patched:
+            with torch.no_grad(), pytest.raises((RuntimeError, TfcompatError)) as err:
+                run(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]]),
+                    past_key_values=first.past_key_values, use_cache=True)
+            assert isinstance(err.value, TfcompatError) or \
+                str(err.value).startswith("tfcompat (checked inside torch.compile)"), str(err.value)[:500]
+    torch._dynamo.reset()
+    for g, w, what in zip(got[True], got[False], ("prefill", "decoding step")):
+        close_to_model(g, w, f"compiled {what} with a cache")

@@ -179,12 +179,13 @@ def explicit_cu(explicit):
     return cu
 
 
-def find_step(state, group, explicit, position_ids, mask, batch, local, device):
-    """The step's boundaries, or None for an input that is not packed (and no Ulysses group)."""
+def find_step(state, group, explicit, position_ids, mask, batch, local, device, cached=False):
+    """The step's boundaries, or None for an input that is not packed (and no Ulysses group). ``cached``: the
+    call carries a KV cache (read under torch.compile only, where a row is not read eagerly)."""
     import torch
 
     if torch.compiler.is_compiling():
-        return traced_step(state, group, explicit, position_ids, mask, batch, local, device)
+        return traced_step(state, group, explicit, position_ids, mask, batch, local, device, cached)
     world = state.world * state.cworld if group is not None else 1
     total = local * world
     row = local
@@ -421,7 +422,7 @@ def check_cu_values(cu, total, what):
     return check_cu_seqlens(cu, total, what)
 
 
-def traced_step(state, group, explicit, position_ids, mask, batch, local, device):
+def traced_step(state, group, explicit, position_ids, mask, batch, local, device, cached=False):
     """:func:`find_step` inside a region torch.compile traces (``model.compile(fullgraph=True)``): decided from
     what the call passes (its shapes), never from values, with every check of values a device-side assertion.
 
@@ -494,7 +495,7 @@ def traced_step(state, group, explicit, position_ids, mask, batch, local, device
     if text is None:
         raise PackingError(f"tfcompat {state.family}: position_ids of shape {tuple(position_ids.shape)}; expected "
                            f"(batch, seq), (3, batch, seq) or (4, batch, seq) with the text row first")
-    if batch == 1 and mask is None:
+    if batch == 1 and mask is None and not cached:
         starts = _traced_starts_of_positions(text[0].to(device))
         return Step(None, None, None, local, seq=torch.cumsum(starts.to(torch.int64), 0) - 1)
     if mask is None or mask.dim() == 2:
@@ -504,10 +505,16 @@ def traced_step(state, group, explicit, position_ids, mask, batch, local, device
             torch.ones(text.shape, dtype=torch.bool, device=text.device)
         seen = torch.cumsum(valid.to(torch.int64), -1) > 1
         restarts = ((text == 0) & valid & seen).any(-1)
-        _assert(~restarts.any(), "a row of position ids restarts at 0 (several packed sequences) beside an "
-                                 "attention_mask or in a batch of several rows; under torch.compile pass a packed "
-                                 "row as one row with no attention_mask (as DataCollatorWithFlattening does), or "
-                                 "with cu_seq_lens_q")
+        if cached:  # decoding (or a prefill that fills a cache): upstream's path, as eagerly
+            _assert(~restarts.any(), "a row of position ids restarts at 0 (several packed sequences) in a call "
+                                     "with a KV cache or use_cache (passed, or the config's outside training); "
+                                     "sequences of a packed row cannot share one cache: pass use_cache=False and no "
+                                     "past_key_values for a packed row, or unpack the row for generation")
+        else:
+            _assert(~restarts.any(), "a row of position ids restarts at 0 (several packed sequences) beside an "
+                                     "attention_mask or in a batch of several rows; under torch.compile pass a "
+                                     "packed row as one row with no attention_mask (as DataCollatorWithFlattening "
+                                     "does), or with cu_seq_lens_q")
     return None
 
 

@@ -69,7 +69,7 @@ def text_model_forward(self, *args, **kwargs):
     if position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 4 and not plan.four_row_ids:
         changed["position_ids"] = position_ids[1:]  # this release's text model predates the 4-row layout
     step = _boundaries.find_step(state, _carrier.first(split.values()), explicit, position_ids,
-                                 a.get("attention_mask"), batch, local, ref.device)
+                                 a.get("attention_mask"), batch, local, ref.device, cached=_caching(self, a))
     if step is None:
         return _unpacked(self, state, a, position_ids, changed, args, kwargs)
     return _packed(self, state, a, step, changed)
@@ -86,6 +86,19 @@ def _tied(self, zero, args, kwargs):
                            f"called without inputs_embeds; please report it with the transformers release")
     a["inputs_embeds"] = tie_zero(a["inputs_embeds"], zero)
     return a
+
+
+def _caching(self, a):
+    """Whether the call decodes or makes a KV cache: a cache passed, or outside training ``use_cache`` (passed,
+    or the config's: a rollout's prefill). Read under torch.compile only, where a row that holds one sequence cannot be
+    told from a packed one by its values: such a call runs upstream's path (which makes the cache, as eagerly)
+    and a packed row in it is refused by a device-side check."""
+    if any(a.get(n) is not None for n in _CACHE_NAMES):
+        return True
+    if self.training:  # a training step's use_cache (the config's, or a VL top model's resolved one) makes none
+        return False
+    use = a.get("use_cache")
+    return bool(getattr(self.config, "use_cache", False) if use is None else use) or _decoding(a)
 
 
 def _decoding(a):
