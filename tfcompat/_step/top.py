@@ -10,6 +10,7 @@ from ..errors import PackingError, UlyssesError
 from . import boundaries as _boundaries
 from . import scope as _carrier
 from . import shards as _shards
+from . import traced as _traced
 from .install import (
     _ATTR,
     _CACHE_NAMES,
@@ -51,12 +52,12 @@ def _packed_labels(state, kwargs):
     if not isinstance(labels, torch.Tensor) or labels.dim() != 2 or labels.shape[0] != 1 or state.split():
         return
     if torch.compiler.is_compiling():  # traced: the same rule by tensor ops, the refusal a device-side assertion
-        at = _boundaries.traced_label_starts(kwargs, labels.shape[1])
+        at = _traced.traced_label_starts(kwargs, labels.shape[1])
         if at is None:
             return
         at = at.to(labels.device)
         if kwargs.get("num_items_in_batch") is not None:
-            _boundaries._assert(~(at & (labels != -100)).any(), (
+            _traced._assert(~(at & (labels != -100)).any(), (
                 f"{state.family}: labels of a packed row hold targets at sequence starts and num_items_in_batch "
                 f"counted them; set labels to -100 at every sequence start before counting "
                 f"(DataCollatorWithFlattening does), or pass no num_items_in_batch"))

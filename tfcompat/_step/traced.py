@@ -1,0 +1,188 @@
+"""The step under torch.compile: decided from the call's shapes, never from values, with every check of values
+a device-side assertion naming tfcompat's check (no host read inside a compiled region). The eager rules are in
+:mod:`.boundaries`, which defers here while torch.compile traces."""
+
+from __future__ import annotations
+
+from ..errors import PackingError, UlyssesError
+from .boundaries import Step, check_explicit_types, cu_from_seq_idx, explicit_cu, text_row
+from .scope import Packed, first, innermost
+
+
+def _assert(ok, what):
+    """A check of values inside a compiled region: no host read; a device-side assertion (raised at once on the
+    CPU, by the next synchronising call on a GPU) whose message names tfcompat's check."""
+    import torch
+
+    torch._assert_async(ok, f"tfcompat (checked inside torch.compile): {what}")
+
+
+def _traced_starts_of_positions(t, valid=None):
+    """Bool (n,): the tokens of one row of text positions that begin a sequence (the first token, and every real
+    token at position 0 after a real token), by tensor ops; positions of real tokens that go down without
+    restarting at 0 fail a device-side assertion."""
+    import torch
+
+    first = torch.arange(t.shape[0], device=t.device) == 0
+    if valid is None:
+        restart = (t == 0) & ~first
+        prev = torch.cat((t[:1], t[:-1]))
+        _assert(~((t < prev) & (t != 0)).any(),
+                "the position ids go down without restarting at 0; a packed sequence must start at position 0 "
+                "(pass cu_seq_lens_q, tfcompat.packing.packed(cu), or 4-row ids from tfcompat.packing.pack)")
+        return first | restart
+    seen = torch.cumsum(valid.to(torch.int64), 0) > 1  # a real token before this one
+    return first | ((t == 0) & valid & seen)
+
+
+def _traced_cu(explicit, batch, local):
+    """The named boundaries (cu_seq_lens_q/k, tfcompat.packing.packed) of a traced call, checked on the device;
+    (cu or None, source)."""
+    import torch
+
+    check_explicit_types(explicit)
+    cu_q, cu_k = explicit.get("cu_seq_lens_q"), explicit.get("cu_seq_lens_k")
+    cu, source = (cu_q, "cu_seq_lens_q") if cu_q is not None else (cu_k, "cu_seq_lens_k")
+    max_len = explicit.get("max_length_q", explicit.get("max_length_k"))
+    if cu is None and (packed := innermost(Packed)) is not None:
+        cu, source, max_len = packed.cu, "packing.packed(cu)", packed.max_len
+    if cu is None:
+        return None, None, None
+    if cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point or cu.dtype == torch.bool:
+        check_cu_values(cu, local, source)  # the eager refusal names the found shape and dtype
+    if cu_q is not None and cu_k is not None:
+        if cu_q.shape != cu_k.shape:
+            raise PackingError("tfcompat: cu_seq_lens_q and cu_seq_lens_k differ; packed training attends each "
+                               "sequence to itself, so pass the same boundaries for both")
+        _assert((cu_q.to(cu_k.device, torch.int64) == cu_k.to(torch.int64)).all(),
+                "cu_seq_lens_q and cu_seq_lens_k differ; pass the same boundaries for both")
+    steps = cu[1:] - cu[:-1]
+    ok = (cu[0] == 0) & (cu[-1] == local) & (steps > 0).all()
+    for key in ("max_length_q", "max_length_k"):
+        given = explicit.get(key) if source != "packing.packed(cu)" else (max_len if key == "max_length_q" else None)
+        if given is not None:
+            ok = ok & (steps.max() == given)
+    _assert(ok, f"{source} must run from 0 to the row's {local} tokens, strictly increasing, its longest sequence "
+                f"equal to max_length_q/k where given; pass the boundaries and lengths of the same collator")
+    return cu, source, max_len
+
+
+def check_cu_values(cu, total, what):
+    from .._kernels.cu import check_cu_seqlens
+
+    return check_cu_seqlens(cu, total, what)
+
+
+def traced_step(state, group, explicit, position_ids, mask, batch, local, device, cached=False):
+    """:func:`find_step` inside a region torch.compile traces (``model.compile(fullgraph=True)``): decided from
+    what the call passes (its shapes), never from values, with every check of values a device-side assertion.
+
+    * boundaries named (cu_seq_lens_q/k, seq_idx, tfcompat.packing.packed) or one row of text position ids with
+      no attention_mask: a packed step whose attention is one masked SDPA call (one sequence is a packed step of
+      one: the same numbers as upstream's causal attention);
+    * anything else (a padded batch, a mask, 3-row mRoPE ids): upstream's own path, with the eager path's
+      refusal of rows that would hold several packed sequences as a device-side assertion (a packed row beside an
+      attention_mask is refused under compile: pass it without the mask, as DataCollatorWithFlattening does)."""
+    import torch
+
+    if group is not None:
+        raise UlyssesError(
+            f"tfcompat {state.family}: a Ulysses or context-parallel step inside a region torch.compile traces "
+            f"(its boundaries are gathered over the group and its attention exchanges heads); compile the decoder "
+            f"layers instead (layer.compile(), the FSDP2 recipe), which tfcompat supports with sequence groups")
+    if isinstance(mask, dict):
+        mask = first((m for m in mask.values() if m is not None), None)
+    cu, source, max_len = _traced_cu(explicit, batch, local)
+    seq_idx = explicit.get("seq_idx")
+    text = text_row(position_ids)
+    if cu is not None or seq_idx is not None:
+        if batch != 1:
+            raise PackingError(f"tfcompat: {source or 'seq_idx'} describes one packed row, but the input has batch "
+                               f"{batch}; pack the batch into one row (tfcompat.packing.pack)")
+        if mask is not None and getattr(mask, "dim", lambda: 0)() == 2:
+            _assert(mask.bool().all(), f"{source or 'seq_idx'} marks a packed row, but attention_mask has padding "
+                                       f"in it; drop the padding (tfcompat.packing.pack does) or pass no mask")
+        idx = torch.arange(local, device=device)
+        if seq_idx is not None:
+            if seq_idx.dim() != 2 or tuple(seq_idx.shape) != (1, local) or seq_idx.dtype.is_floating_point:
+                cu_from_seq_idx(seq_idx, batch, local)  # its refusal, with the found shape
+            row = seq_idx[0].to(device=device, dtype=torch.int64)
+            d = row[1:] - row[:-1]
+            _assert((row[0] == 0) & ((d == 0) | (d == 1)).all(), "seq_idx must count sequences 0, 1, 2, ... in "
+                                                                 "order")
+            seq = row
+            if cu is not None:
+                from_cu = torch.searchsorted(cu[1:].to(device=device, dtype=torch.int64), idx, right=True)
+                _assert((from_cu == seq).all(), "seq_idx and cu_seq_lens_q mark different sequences; pass both "
+                                                "from the same collator")
+        else:
+            seq = torch.searchsorted(cu[1:].to(device=device, dtype=torch.int64), idx, right=True)
+        if text is not None and text.shape[0] == 1:
+            starts = torch.cat((torch.ones(1, dtype=torch.bool, device=device), seq[1:] != seq[:-1]))
+            _assert((starts == _traced_starts_of_positions(text[0].to(device))).all(),
+                    f"{source or 'seq_idx'} and the position ids put sequence starts at different tokens; RoPE and "
+                    f"attention would disagree about where sequences begin; pass position ids that count from 0 in "
+                    f"every sequence (as DataCollatorWithFlattening and tfcompat.packing.pack build them)")
+        elif position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 3 and \
+                position_ids.shape[1] == 1:
+            starts = torch.cat((torch.ones(1, dtype=torch.bool, device=device), seq[1:] != seq[:-1]))
+            zero = (position_ids[:, 0].to(device) == 0).all(dim=0)
+            _assert(~zero[0] | (zero == starts).all(),
+                    f"{source or 'seq_idx'} and the mRoPE position ids (restarting at (0, 0, 0)) put sequence "
+                    f"starts at different tokens; pass boundaries and position ids of the same packing")
+        cu32 = cu.to(device=device, dtype=torch.int32) if cu is not None else None
+        return Step(cu32, None, int(max_len) if isinstance(max_len, int) else None, local, seq=seq)
+    if position_ids is None:
+        return None
+    if position_ids.dim() == 3 and position_ids.shape[0] == 3:
+        if mask is None or getattr(mask, "dim", lambda: 0)() == 2:
+            zero = (position_ids == 0).all(dim=0)[:, 1:].any(-1)  # (batch,): a token after the first at (0, 0, 0)
+            if mask is not None:
+                zero = zero & mask.bool().all(-1)
+            _assert(~zero.any(), "3-row mRoPE position ids hold several packed sequences (a token after the first "
+                                 "sits at (0, 0, 0)) but cannot mark where each begins; pass 4-row ids "
+                                 "(tfcompat.packing.pack builds them) or cu_seq_lens_q")
+        return None
+    if text is None:
+        raise PackingError(f"tfcompat {state.family}: position_ids of shape {tuple(position_ids.shape)}; expected "
+                           f"(batch, seq), (3, batch, seq) or (4, batch, seq) with the text row first")
+    if batch == 1 and mask is None and not cached:
+        starts = _traced_starts_of_positions(text[0].to(device))
+        return Step(None, None, None, local, seq=torch.cumsum(starts.to(torch.int64), 0) - 1)
+    if mask is None or mask.dim() == 2:
+        # upstream's own path: a row whose positions restart at 0 after a real token holds several sequences,
+        # which upstream would attend across (the eager path packs a batch-1 row whose mask is all ones)
+        valid = mask.bool() if mask is not None and mask.shape[-1] == local else \
+            torch.ones(text.shape, dtype=torch.bool, device=text.device)
+        seen = torch.cumsum(valid.to(torch.int64), -1) > 1
+        restarts = ((text == 0) & valid & seen).any(-1)
+        if cached:  # decoding (or a prefill that fills a cache): upstream's path, as eagerly
+            _assert(~restarts.any(), "a row of position ids restarts at 0 (several packed sequences) in a call "
+                                     "with a KV cache or use_cache (passed, or the config's outside training); "
+                                     "sequences of a packed row cannot share one cache: pass use_cache=False and no "
+                                     "past_key_values for a packed row, or unpack the row for generation")
+        else:
+            _assert(~restarts.any(), "a row of position ids restarts at 0 (several packed sequences) beside an "
+                                     "attention_mask or in a batch of several rows; under torch.compile pass a "
+                                     "packed row as one row with no attention_mask (as DataCollatorWithFlattening "
+                                     "does), or with cu_seq_lens_q")
+    return None
+
+
+def traced_label_starts(kwargs, n):
+    """Bool (1, n) of the sequence starts after the first of a traced packed row (what :func:`label_starts`
+    lists eagerly), or None where the call names none."""
+    import torch
+
+    cu = explicit_cu(kwargs)
+    if isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.numel() >= 2:
+        idx = torch.arange(n, device=cu.device)
+        return ((idx[:, None] == cu[1:-1].to(torch.int64)[None, :]).any(-1) & (idx > 0))[None]
+    seq_idx = kwargs.get("seq_idx")
+    if isinstance(seq_idx, torch.Tensor) and seq_idx.dim() == 2 and tuple(seq_idx.shape) == (1, n):
+        return torch.cat((torch.zeros((1, 1), dtype=torch.bool, device=seq_idx.device),
+                          seq_idx[:, 1:] != seq_idx[:, :-1]), dim=1)
+    text = text_row(kwargs.get("position_ids"))
+    if text is None or tuple(text.shape) != (1, n) or kwargs.get("attention_mask") is not None:
+        return None
+    return _traced_starts_of_positions(text[0])[None] & (torch.arange(n, device=text.device) > 0)[None]
