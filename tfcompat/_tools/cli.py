@@ -68,7 +68,7 @@ def _print_report(doc):
           f"transformers {doc['transformers']}  flash-attn {doc['flash_attn'] or '-'}")
     print(f"supported transformers: {doc['supported_range'][0]} .. {doc['supported_range'][1]} (newer: probed)")
     if doc.get("note"):
-        print("note:", doc["note"])
+        print(textwrap.fill(doc["note"], 100, initial_indent="note: ", subsequent_indent="  "))
     for r in doc["resolutions"]:
         source = r["source"].replace("transformers.models.", "")
         head = f"{r['capability']}: {r['impl']}"
