@@ -140,8 +140,12 @@ def piece_alignment(dev):
         kernels["flash-attn varlen (causal)"] = lambda: _backends.flash_varlen()(
             q, k, v, cu_q, cu_k, 300, 700, softmax_scale=64 ** -0.5, causal=True)
     if _backends.torch_ships("nn/attention/varlen.py"):
+        import inspect
+
+        # enable_gqa where the installed varlen_attn takes it (2.13); 2.11's shares kv heads itself
+        gqa = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen._torch_varlen()).parameters else {}
         kernels["torch varlen_attn (window (-1, 0))"] = lambda: varlen._torch_varlen()(
-            q, k, v, cu_q, cu_k, 300, 700, scale=64 ** -0.5, window_size=(-1, 0), enable_gqa=True)
+            q, k, v, cu_q, cu_k, 300, 700, scale=64 ** -0.5, window_size=(-1, 0), **gqa)
     failures = 0
     for label, run in kernels.items():
         try:

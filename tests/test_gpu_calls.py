@@ -302,3 +302,26 @@ def test_public_varlen_attention_reads_no_boundaries_back_on_the_gpu_kernel_path
         assert_cu_on_device(torch.tensor([[0, 11]]), total, 11)
     with pytest.raises(PackingError, match="max_seqlen must be a positive int"):
         assert_cu_on_device(torch.tensor([0, 11]), total, 0)
+
+
+def test_the_device_checks_fp32_comparison_runs_without_tf32():
+    """check --device's fp32 packed-vs-padded comparison on a CUDA device runs with cuDNN and matmul TF32 off (the
+    H200 run: glm_ocr's vision patch-embedding gradients moved by 1.5e-4 of their scale under PyTorch's default
+    cuDNN TF32, upstream's own model too; 1.0e-6 without), and restores the user's settings after; on the CPU
+    nothing changes."""
+    from tfcompat._tools import device_checks
+
+    def flags():
+        return torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+
+    before = flags()
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = True, True
+    try:
+        assert device_checks._fp32_exact("cuda:1", flags) == (False, False)
+        assert flags() == (True, True)
+        assert device_checks._fp32_exact("cpu", flags) == (True, True)
+        with pytest.raises(ZeroDivisionError):
+            device_checks._fp32_exact("cuda", lambda: 1 / 0)
+        assert flags() == (True, True)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
