@@ -250,3 +250,174 @@ def test_fullgraph_decoding_with_a_cache():
     torch._dynamo.reset()
     for g, w, what in zip(got[True], got[False], ("prefill", "decoding step")):
         close_to_model(g, w, f"compiled {what} with a cache")
+
+
+# --- a proven GPU kernel under compile: called in the graph as its registered op -------------------------------
+# A stand-in for torch's varlen_attn, registered through torch.library as the real one is (a custom op with a fake
+# and an autograd formula), exact on the CPU: per-sequence SDPA read from cu inside the op (opaque to dynamo)
+
+
+def _stand_in_pieces(q, k, v, cu, scale, left):
+    """Per sequence: (slice, q, k and v with kv heads repeated to q's (heads, n, d), the softmax probabilities)."""
+    bounds = cu.tolist()
+    rep = q.shape[1] // k.shape[1]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        i = torch.arange(b - a)
+        dist = i[:, None] - i[None, :]
+        mask = (dist >= 0) & ((dist <= left) if left >= 0 else True)
+        qs = q[a:b].transpose(0, 1)
+        ks, vs = (t[a:b].transpose(0, 1).repeat_interleave(rep, 0) for t in (k, v))
+        p = ((qs @ ks.transpose(1, 2)) * scale).masked_fill(~mask, float("-inf")).softmax(-1)
+        yield slice(a, b), qs, ks, vs, p
+
+
+def _stand_in_attention(q, k, v, cu, scale, left):
+    return torch.cat([(p @ vs).transpose(0, 1) for _, _, _, vs, p in _stand_in_pieces(q, k, v, cu, scale, left)])
+
+
+def _stand_in_grads(grad, q, k, v, cu, scale, left):
+    """The attention backward by its formulas (a custom op's body runs below autograd)."""
+    rep = q.shape[1] // k.shape[1]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for at, qs, ks, vs, p in _stand_in_pieces(q, k, v, cu, scale, left):
+        go = grad[at].transpose(0, 1)
+        dp = go @ vs.transpose(1, 2)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * scale
+        dq[at] = (ds @ ks).transpose(0, 1)
+        kv_heads = k.shape[1]
+        dk[at] = (ds.transpose(1, 2) @ qs).reshape(kv_heads, rep, -1, q.shape[2]).sum(1).transpose(0, 1)
+        dv[at] = (p.transpose(1, 2) @ go).reshape(kv_heads, rep, -1, q.shape[2]).sum(1).transpose(0, 1)
+    return dq, dk, dv
+
+
+@torch.library.custom_op("tfcompat_stand_in::varlen_fwd", mutates_args=())
+def _stand_in_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
+                  scale: float, left: int) -> torch.Tensor:
+    assert max_len == max(b - a for a, b in zip(cu.tolist()[:-1], cu.tolist()[1:]))
+    return _stand_in_attention(q, k, v, cu, scale, left).contiguous()
+
+
+@_stand_in_fwd.register_fake
+def _(q, k, v, cu, max_len, scale, left):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("tfcompat_stand_in::varlen_bwd", mutates_args=())
+def _stand_in_bwd(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
+                  scale: float, left: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _stand_in_grads(grad, q, k, v, cu, scale, left)
+
+
+@_stand_in_bwd.register_fake
+def _(grad, q, k, v, cu, scale, left):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _stand_in_setup(ctx, inputs, output):
+    q, k, v, cu, _, scale, left = inputs
+    ctx.save_for_backward(q, k, v, cu)
+    ctx.scale, ctx.left = scale, left
+
+
+def _stand_in_backward(ctx, grad):
+    q, k, v, cu = ctx.saved_tensors
+    return (*_stand_in_bwd(grad, q, k, v, cu, ctx.scale, ctx.left), None, None, None, None)
+
+
+_stand_in_fwd.register_autograd(_stand_in_backward, setup_context=_stand_in_setup)
+
+
+def _stand_in_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None,
+                          window_size=(-1, -1), enable_gqa=False):
+    """torch's varlen_attn's call (torch 2.13), causal only (window_size (left, 0))."""
+    assert window_size[1] == 0 and cu_seq_q is cu_seq_k and max_q == max_k
+    return _stand_in_fwd(query, key, value, cu_seq_q, max_q, scale, window_size[0])
+
+
+def _graph_recorder(graphs):
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=keep, bw_compiler=keep)
+
+
+def _targets(graphs):
+    return [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
+
+
+@FULLGRAPH
+def test_a_kernel_proven_before_compiling_is_the_op_the_graph_calls(monkeypatch):
+    """``tfcompat.warmup`` proves the GPU varlen kernel outside any graph (here a stand-in for torch's varlen_attn,
+    registered through torch.library on the CPU as the real one is); the fullgraph-compiled model over the
+    collator's kwargs (cu_seq_lens, max_length) then calls that op in its forward and backward graphs, not SDPA,
+    and compiled equals eager. Traced before any proof, the graph runs SDPA and a warning says to warm up."""
+    from tfcompat import varlen
+
+    monkeypatch.setattr(varlen, "_kind", lambda q, dropout_p: "torch_varlen")
+    monkeypatch.setattr(varlen, "_torch_varlen", lambda: _stand_in_varlen_attn)
+    monkeypatch.setattr(varlen._backends, "torch_varlen_params",
+                        lambda: frozenset({"scale", "window_size", "enable_gqa"}))
+    monkeypatch.setattr(varlen, "_UNPROVEN_SAID", set())
+    name = WHOLE[0]
+
+    def run(compiled, warm):
+        tfcompat.clear_cache()
+        torch._dynamo.reset()
+        model = tiny_model(name, num_hidden_layers=2)
+        model.train()
+        tfcompat.patch(model)
+        if warm:
+            # a step of 3 sequences (one sequence runs upstream's own path eagerly: no packed attention to prove)
+            records = tfcompat.warmup(model, dict(_collated(3), use_cache=False))
+            assert [(r["kernel"], r["ok"]) for r in records if r["op"] == "varlen"] == [("torch_varlen", True)]
+        graphs = []
+        call = torch.compile(model, backend=_graph_recorder(graphs), fullgraph=True) if compiled else model
+        outs = []
+        for step in range(WHOLE_STEPS):
+            out = call(**_collated(step), use_cache=False)
+            out.loss.backward()
+            outs.append((out.loss.detach(), out.logits.detach(), param_grads(model)))
+            model.zero_grad()
+        torch._dynamo.reset()
+        return outs, _targets(graphs)
+
+    got, targets = run(True, True)
+    assert targets.count("tfcompat_stand_in.varlen_fwd.default") >= 2, targets  # both layers of every graph
+    assert "tfcompat_stand_in.varlen_bwd.default" in targets
+    assert not [t for t in targets if "scaled_dot_product" in t or "flash_attention" in t], targets
+    want, _ = run(False, True)
+    for step, (g, w) in enumerate(zip(got, want)):
+        close_to_model(g[0], w[0], f"step {step} loss")
+        close_to_model(g[1], w[1], f"step {step} logits")
+        for key, a, b in grads_by_name(g[2], w[2], f"step {step}"):
+            close_to_model(a, b, f"step {step} {key}")
+    with pytest.warns(RuntimeWarning, match=r"tfcompat.warmup\(model, example\)"):
+        cold, cold_targets = run(True, False)
+    assert "tfcompat_stand_in.varlen_fwd.default" not in cold_targets
+    assert [t for t in cold_targets if "scaled_dot_product" in t or "flash_attention" in t]
+    for step, (g, w) in enumerate(zip(cold, want)):
+        close_to_model(g[0], w[0], f"cold step {step} loss")
+
+
+def test_warmup_runs_eagerly_and_leaves_the_gradients():
+    """``tfcompat.warmup`` on a compiled model compiles nothing (it runs eagerly: a proof cannot run in a graph),
+    leaves every parameter's gradient as it was, and refuses an example that is not the forward's kwargs."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    model = tiny_model(WHOLE[0], num_hidden_layers=1)
+    model.train()
+    tfcompat.patch(model)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    pk = pack(*padded(_rows(3)))
+    assert tfcompat.warmup(compiled, {"input_ids": pk.input_ids, "position_ids": pk.position_ids}) == []
+    assert counter.frame_count == 0
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(TfcompatError, match="example must be a dict"):
+        tfcompat.warmup(model, pk.input_ids)
+    torch._dynamo.reset()

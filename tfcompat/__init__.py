@@ -13,8 +13,8 @@ from typing import Any, Iterable, Optional
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "report", "clear_cache", "patch", "unpatch", "enable_checkpointing", "disable_checkpointing",
-           "Resolution", "PatchRecord"]
+__all__ = ["__version__", "report", "clear_cache", "patch", "unpatch", "warmup", "enable_checkpointing",
+           "disable_checkpointing", "Resolution", "PatchRecord"]
 
 # value types of the records report() and patch() return, importable without importing torch:
 # ``from tfcompat import Resolution, PatchRecord`` (resolved on first access)
@@ -96,6 +96,47 @@ def unpatch(model: Any) -> bool:
     from ._step import patch as _patch
 
     return _patch.unpatch(model)
+
+
+def warmup(model: Any, example: dict) -> list:
+    """Prove tfcompat's GPU kernels for ``model`` before compiling it: one eager forward of ``example`` (the keyword
+    arguments of one training call, e.g. a packed micro-batch from ``DataCollatorWithFlattening``), so every kernel
+    the call reaches proves itself on first use (once per process, on a slice beside the exact path), outside any
+    graph. A graph traced after it calls the proven kernels (flash-attn's varlen function, torch's
+    ``varlen_attn``: ops registered through ``torch.library``); no proof can run inside a graph, and a graph traced
+    before it runs the SDPA path (with a warning).
+
+    Runs eagerly even where ``model`` or its layers are compiled (``torch.compiler.set_stance("force_eager")``),
+    under ``no_grad`` (the proofs differentiate their own slices), and leaves the parameters' gradients untouched.
+    Returns the proofs of this process (``op``, ``kernel``, ``device``, ``key``, ``ok``, ``max_abs_diff``, ...):
+    a kernel with ``ok`` False failed its proof and the exact path serves it (``auto`` warned).
+
+        >>> import torch, tfcompat
+        >>> from tfcompat.testing import tiny_model
+        >>> model = tiny_model("qwen2").train()  # the mode it will be compiled and trained in
+        >>> _ = tfcompat.patch(model)
+        >>> packed = {"input_ids": torch.tensor([[5, 6, 7, 8, 9, 10]]),
+        ...           "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]])}
+        >>> tfcompat.warmup(model, packed)  # on the CPU no GPU kernel runs: nothing to prove
+        []
+        >>> compiled = torch.compile(model)  # its graph calls the kernels proven above
+
+    .. versionadded:: 0.2.0
+    """
+    import contextlib
+
+    import torch
+
+    from ._kernels import table
+    from .errors import TfcompatError
+
+    if not isinstance(example, dict):
+        raise TfcompatError(f"tfcompat.warmup: example must be a dict of the model's forward keyword arguments "
+                            f"(input_ids, position_ids or cu_seq_lens_q, ...), got {type(example).__name__}")
+    eager = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    with (eager("force_eager") if eager is not None else contextlib.nullcontext()), torch.no_grad():
+        getattr(model, "_orig_mod", model)(**example)
+    return table.proven()
 
 
 def enable_checkpointing(model: Any, *, reentrant: bool = False) -> str:

@@ -235,6 +235,42 @@ def _varlen(q, k, v, cu_seqlens, bounds, max_seqlen, *, causal, softmax_scale, w
     return _sdpa_fallback(q, k, v, bounds, softmax_scale, causal, window, dropout_p)
 
 
+def traced_kernel(q, k, v, causal, window, dropout_p):
+    """Inside a region torch.compile traces: the GPU kernel that serves these tensors (flash-attn's varlen function
+    or torch's ``varlen_attn``, each a ``torch.library`` op the graph calls), if it passed its first-use proof
+    before tracing, else ``"sdpa"`` (one masked SDPA call), with one warning saying how to warm up. No proof runs
+    inside a graph (``table.blocked``)."""
+    kind = _kind(q, dropout_p)
+    if kind == "sdpa":
+        return kind
+    from ._kernels import attention_calls as calls
+
+    if calls.unfit_shapes(q, k, v):
+        return "sdpa"
+    if calls.passed_before_tracing(kind, q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], causal, window):
+        return kind
+    _say_unproven(kind)
+    return "sdpa"
+
+
+def _say_unproven(kind):
+    """The note of a traced call whose GPU kernel was not proven before tracing (once a process; a constant while
+    dynamo traces, so no graph break)."""
+    import warnings
+
+    if kind not in _UNPROVEN_SAID:
+        _UNPROVEN_SAID.add(kind)
+        warnings.warn(f"tfcompat: torch.compile traced a packed attention call before the {kind} kernel proved "
+                      f"itself in this process, so the compiled graph runs the SDPA path; call "
+                      f"tfcompat.warmup(model, example) (or one eager step) before compiling to have the graph call "
+                      f"the {kind} kernel", RuntimeWarning, stacklevel=3)
+    return True
+
+
+_UNPROVEN_SAID: set = set()
+_say_unproven._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def _sdpa_masked(q, k, v, cu, scale, causal, window, dropout_p):
     """Attention inside each packed sequence as one SDPA call: token i attends key j of its own sequence (j <= i
     when causal, i - j < window with a window). What the patched model runs under torch.compile on the SDPA

@@ -178,6 +178,18 @@ def passed(kind, q, k, causal, window):
     return table.passed(_fast(kind, q, k, causal, window))
 
 
+def passed_before_tracing(kind, device, dtype, heads, kv_heads, head_dim, causal, window):
+    """:func:`passed` from code torch.compile traces, by plain values (the tensors' device, dtype and sizes): dynamo
+    calls it once while tracing and keeps the answer as a constant of the graph, so a kernel proven before
+    compiling (an eager call, ``tfcompat.warmup``) is called as the op it is registered as, with no guard on the
+    proof table. A kernel first proven after the graph was built serves the next graph built."""
+    return table.passed(("varlen", kind, device, dtype, heads, kv_heads, head_dim, bool(causal), window))
+
+
+# what torch.compiler.assume_constant_result sets (torch 2.7-2.13), without importing torch._dynamo here
+passed_before_tracing._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def proven(kind, call, reference, q, k, v, causal, scale, window):
     """First use proves a GPU attention kernel (``table.first_use``): for this (kernel, device, dtype, heads,
     head_dim, causal, window), once per process, a piece of the call's own q, k, v (two sequences: 16 tokens, and

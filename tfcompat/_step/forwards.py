@@ -166,9 +166,15 @@ def _attend_row(step, q, k, v, scale, window, dropout):
     if step.total != q.shape[0]:
         raise PackingError(f"tfcompat attention: boundaries cover {step.total} tokens but the layer sees "
                            f"{q.shape[0]}; pass boundaries of the whole (gathered) packed row")
-    if step.bounds is None:  # a traced step (whole-model torch.compile): one SDPA call under the step's mask
-        from ..varlen import _sdpa_by_seq
+    if step.bounds is None:  # a traced step (whole-model torch.compile)
+        from ..varlen import _gpu_call, _sdpa_by_seq, traced_kernel
 
+        # boundaries and the longest sequence named by the call (the collator's kwargs, packing.packed): the GPU
+        # kernel proven before tracing, as the op it is registered as; else one SDPA call under the step's mask
+        if step.cu is not None and step.max_len is not None:
+            kind = traced_kernel(q, k, v, True, window, dropout)
+            if kind != "sdpa":
+                return _gpu_call(kind, q, k, v, step.cu, step.max_len, True, scale, window, dropout)
         return _sdpa_by_seq(q, k, v, step.seq, scale, True, window, dropout)
     return _varlen(q, k, v, step.cu, step.bounds, step.max_len, causal=True, softmax_scale=scale, window=window,
                    dropout_p=dropout)

@@ -131,7 +131,10 @@ def traced_step(state, group, explicit, position_ids, mask, batch, local, device
                     f"{source or 'seq_idx'} and the mRoPE position ids (restarting at (0, 0, 0)) put sequence "
                     f"starts at different tokens; pass boundaries and position ids of the same packing")
         cu32 = cu.to(device=device, dtype=torch.int32) if cu is not None else None
-        return Step(cu32, None, int(max_len) if isinstance(max_len, int) else None, local, seq=seq)
+        # the longest sequence as the call named it (an int, or the SymInt dynamo makes of it once it varies):
+        # what a GPU varlen kernel takes in the graph (forwards._attend_row)
+        named = max_len if isinstance(max_len, (int, torch.SymInt)) and not isinstance(max_len, bool) else None
+        return Step(cu32, None, named, local, seq=seq)
     if position_ids is None:
         return None
     if position_ids.dim() == 3 and position_ids.shape[0] == 3:
