@@ -14,7 +14,9 @@ oracle) on the padded batch of the same rows, and prints one line: ok / FAIL, th
    boundaries: graphs against the unpatched model compiled the same way, no recompile-limit warning, compiled
    equals eager.
 4. The whole model, ``fullgraph=True``, inductor: compiled equals eager on packed rows.
-5. ``generate()`` (greedy) of a VL family with an image: the same tokens as the unpatched model.
+5. bf16 over the collator's kwargs: ``tfcompat.warmup`` proves the GPU varlen kernel, then the fullgraph-compiled
+   model's graphs call it (not SDPA), compiled equals eager.
+6. ``generate()`` (greedy) of a VL family with an image: the same tokens as the unpatched model.
 Exits non-zero on any failure.
 """
 
@@ -192,6 +194,56 @@ def compiled_like_upstream(name, dev, how, layers, steps):
                     f"compiled vs eager max abs {worst:.2e}, {seconds:.0f} s{'; ' + bad[0] if bad else ''}")
 
 
+def compiled_calls_the_kernel(name, dev):
+    """bf16, the collator's kwargs (cu_seq_lens, max_length): tfcompat.warmup proves the GPU varlen kernel, then
+    the fullgraph-compiled model's graphs call it (not SDPA), and compiled equals eager."""
+    import inspect
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from transformers import DataCollatorWithFlattening
+
+    if "return_flash_attn_kwargs" not in inspect.signature(DataCollatorWithFlattening.__init__).parameters:
+        line(True, f"{name} compiled with a proven kernel", "skipped: no return_flash_attn_kwargs")
+        return
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+
+    def batch(step):
+        rows = [list(range(5 + step, 5 + step + n)) for n in ((40, 70, 33), (90, 12), (64, 64, 17, 5))[step]]
+        return {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in collator(
+            [{"input_ids": r} for r in rows]).items()}
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    tfcompat.clear_cache()
+    torch._dynamo.reset()
+    model = tiny_model(name, dtype=torch.bfloat16).to(dev)
+    model.train()
+    tfcompat.patch(model)
+    proofs = tfcompat.warmup(model, dict(batch(0), use_cache=False))
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+    worst, bad = 0.0, []
+    for step in range(3):
+        out = compiled(**batch(step), use_cache=False)
+        want = model(**batch(step), use_cache=False)
+        worst = max(worst, (out.logits.float() - want.logits.float()).abs().max().item())
+        if not torch.allclose(out.loss.float(), want.loss.float(), rtol=2e-2, atol=2e-2):
+            bad.append(f"step {step} loss {out.loss.item():.4f} vs eager {want.loss.item():.4f}")
+        out.loss.backward()
+    targets = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    kernel = sorted({t for t in targets if "varlen" in t or "flash_attn" in t})
+    sdpa = sorted({t for t in targets if "scaled_dot_product" in t})
+    ok = bool(kernel) and not sdpa and not bad
+    line(ok, f"{name} bf16 fullgraph compile after warmup", f"proofs {[(p['kernel'], p['ok']) for p in proofs]}; "
+                                                            f"graph calls {kernel}, sdpa {sdpa}; compiled vs eager "
+                                                            f"logits max abs {worst:.3g}{'; ' + bad[0] if bad else ''}")
+    torch._dynamo.reset()
+
+
 def generate_with_image(name, dev):
     import inspect
 
@@ -217,6 +269,7 @@ def main():
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--layers", type=int, default=12,
                         help="decoder layers of the per-layer compile check (past dynamo's recompile limit, 8)")
+    parser.add_argument("--only", default="", help="run the checks whose label holds this text")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing to check (--device cpu runs the checks here)")
@@ -235,10 +288,13 @@ def main():
         ("inference_mode, then training", lambda: inference_then_training("qwen3", dev)),
         ("per-layer compile", lambda: compiled_like_upstream("qwen3", dev, "layers", args.layers, 6)),
         ("whole-model compile", lambda: compiled_like_upstream("qwen2", dev, "whole", 2, 3)),
+        ("compiled with a proven kernel", lambda: compiled_calls_the_kernel("qwen3", dev)),
         ("generate with an image", lambda: generate_with_image("qwen2_5_vl", dev)),
         ("generate with an image", lambda: generate_with_image("qwen3_vl", dev)),
     ]
     for label, check in checks:
+        if args.only and args.only not in label:
+            continue
         try:
             check()
         except Exception as exc:  # a check that raises is a failed line; the others still run
