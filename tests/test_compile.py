@@ -359,8 +359,6 @@ def test_a_kernel_proven_before_compiling_is_the_op_the_graph_calls(monkeypatch)
 
     monkeypatch.setattr(varlen, "_kind", lambda q, dropout_p: "torch_varlen")
     monkeypatch.setattr(varlen, "_torch_varlen", lambda: _stand_in_varlen_attn)
-    monkeypatch.setattr(varlen._backends, "torch_varlen_params",
-                        lambda: frozenset({"scale", "window_size", "enable_gqa"}))
     monkeypatch.setattr(varlen, "_UNPROVEN_SAID", set())
     name = WHOLE[0]
 
@@ -421,3 +419,30 @@ def test_warmup_runs_eagerly_and_leaves_the_gradients():
     with pytest.raises(TfcompatError, match="example must be a dict"):
         tfcompat.warmup(model, pk.input_ids)
     torch._dynamo.reset()
+
+
+@FULLGRAPH
+def test_the_real_torch_varlen_call_traces_as_its_op():
+    """tfcompat's call of the installed torch's own varlen_attn (the GPU path) traces under fullgraph=True into
+    torch's registered op (``torch_attn._varlen_attn``), traced here on the CPU with a backend that records the
+    graph and runs nothing (the op has no CPU kernel). On an H200 (torch 2.11) the call's read of varlen_attn's
+    keywords from torch's file stopped the trace ("Attempted to call function marked as skipped")."""
+    from tfcompat import varlen
+
+    if not varlen._backends.torch_ships("nn/attention/varlen.py"):
+        pytest.skip(f"torch {torch.__version__} ships no torch.nn.attention.varlen")
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return lambda *args: [torch.zeros(16, 4, 32)]
+
+    q, k = torch.randn(16, 4, 32), torch.randn(16, 2, 32)
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    torch._dynamo.reset()
+    try:
+        torch.compile(lambda a, b, c, d: varlen._gpu_call("torch_varlen", a, b, c, d, 8, True, 0.1, None, 0.0),
+                      fullgraph=True, backend=record)(q, k, k, cu)
+    finally:
+        torch._dynamo.reset()
+    assert "torch_attn._varlen_attn" in _targets(graphs), _targets(graphs)

@@ -307,8 +307,18 @@ def _gpu_call(kind, q, k, v, cu, max_seqlen, causal, scale, window, dropout_p):
                                         dropout_p=dropout_p, deterministic=calls.deterministic())
         return _backends.flash_varlen()(*args, **kwargs)
     args, kwargs = calls.torch_call(q, k, v, cu, max_seqlen, causal=causal, scale=scale, window=window,
-                                    params=_backends.torch_varlen_params())
+                                    params=("enable_gqa",) if _torch_takes_gqa() else ())
     return _torch_varlen()(*args, **kwargs)
+
+
+def _torch_takes_gqa():
+    """Whether the installed ``varlen_attn`` takes ``enable_gqa`` (2.13; 2.11 shares kv heads itself), read once
+    from torch's file (``_backends``): a constant of the graph under torch.compile, which cannot trace the file
+    read (dynamo: "Attempted to call function marked as skipped", seen on an H200, torch 2.11)."""
+    return "enable_gqa" in _backends.torch_varlen_params()
+
+
+_torch_takes_gqa._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _prove_gpu(kind, q, k, v, causal, scale, window):
