@@ -446,3 +446,29 @@ def test_the_real_torch_varlen_call_traces_as_its_op():
     finally:
         torch._dynamo.reset()
     assert "torch_attn._varlen_attn" in _targets(graphs), _targets(graphs)
+
+
+@FULLGRAPH
+def test_the_flash_attn_call_traces_once_looked_up(monkeypatch):
+    """tfcompat's flash-attn call under fullgraph=True reads the function an eager call looked up (here a
+    stand-in: flash-attn does not install on these machines); the look-up itself is never traced (dynamo: "Import
+    failure" where flash-attn does not import)."""
+    from tfcompat import varlen
+
+    seen = []
+
+    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+        seen.append(sorted(kwargs))
+        return q * 2
+
+    monkeypatch.setattr(varlen, "_FLASH_VARLEN", stand_in)
+    q, k = torch.randn(16, 4, 32), torch.randn(16, 2, 32)
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(lambda a, b, c: varlen._gpu_call("flash_attn", a, b, b, c, 8, True, 0.1, None, 0.0),
+                            fullgraph=True, backend="eager")(q, k, cu)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(out, q * 2)
+    assert seen == [["causal", "deterministic", "dropout_p", "softmax_scale", "window_size"]]

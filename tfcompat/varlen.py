@@ -305,10 +305,18 @@ def _gpu_call(kind, q, k, v, cu, max_seqlen, causal, scale, window, dropout_p):
     if kind == "flash_attn":
         args, kwargs = calls.flash_call(q, k, v, cu, max_seqlen, causal=causal, scale=scale, window=window,
                                         dropout_p=dropout_p, deterministic=calls.deterministic())
-        return _backends.flash_varlen()(*args, **kwargs)
+        global _FLASH_VARLEN
+        if _FLASH_VARLEN is None:  # eager, once: a graph calls flash-attn only after an eager call proved it
+            _FLASH_VARLEN = _backends.flash_varlen()
+        return _FLASH_VARLEN(*args, **kwargs)
     args, kwargs = calls.torch_call(q, k, v, cu, max_seqlen, causal=causal, scale=scale, window=window,
                                     params=("enable_gqa",) if _torch_takes_gqa() else ())
     return _torch_varlen()(*args, **kwargs)
+
+
+#: flash-attn's varlen function, looked up by the first eager call: a graph reads it as a global (dynamo cannot
+#: trace the look-up's import where flash-attn fails to import: "Import failure")
+_FLASH_VARLEN = None
 
 
 def _torch_takes_gqa():
