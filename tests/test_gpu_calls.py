@@ -325,3 +325,39 @@ def test_the_device_checks_fp32_comparison_runs_without_tf32():
         assert flags() == (True, True)
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_every_device_side_check_message_fits_cuda():
+    """torch._assert_async on CUDA refuses a message of 255 characters or more (the call itself fails: on an H200,
+    torch 2.11, every fullgraph-compiled packed step did, on the traced step's 300-character messages). Every
+    device-side check's message, read from the source with 24 characters for each interpolated value, fits; and
+    the traced checks' helper refuses a longer one on every device."""
+    import ast
+    import pathlib
+
+    import tfcompat
+    from tfcompat._step import traced
+
+    def text(node):
+        if isinstance(node, ast.Constant):
+            return str(node.value)
+        if isinstance(node, ast.JoinedStr):
+            return "".join(text(v) if isinstance(v, ast.Constant) else "x" * 24 for v in node.values)
+        if isinstance(node, ast.BinOp):
+            return text(node.left) + text(node.right)
+        raise AssertionError(f"a message built by {ast.dump(node)[:80]}: make it a literal or an f-string")
+
+    prefix = len("tfcompat (checked inside torch.compile): ")
+    found = []
+    for path in pathlib.Path(tfcompat.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = getattr(getattr(node, "func", None), "attr", None) or getattr(getattr(node, "func", None), "id", "")
+            if isinstance(node, ast.Call) and name in ("_assert", "_assert_async") and len(node.args) == 2:
+                if isinstance(node.args[1], ast.Name):  # the helper's own call: checked below
+                    continue
+                size = len(text(node.args[1])) + (prefix if name == "_assert" else 0)
+                found.append((f"{path.name}:{node.lineno}", size))
+    assert len(found) >= 12, found
+    assert not [f for f in found if f[1] > traced.ASSERT_MESSAGE_LIMIT], found
+    with pytest.raises(AssertionError, match="over CUDA's 254"):
+        traced._assert(torch.tensor(True), "x" * 250)

@@ -58,9 +58,8 @@ def _packed_labels(state, kwargs):
         at = at.to(labels.device)
         if kwargs.get("num_items_in_batch") is not None:
             _traced._assert(~(at & (labels != -100)).any(), (
-                f"{state.family}: labels of a packed row hold targets at sequence starts and num_items_in_batch "
-                f"counted them; set labels to -100 at every sequence start before counting "
-                f"(DataCollatorWithFlattening does), or pass no num_items_in_batch"))
+                f"{state.family}: packed labels hold targets at sequence starts that num_items_in_batch counted; "
+                f"set them to -100 before counting (DataCollatorWithFlattening does)"))
         kwargs["labels"] = labels.masked_fill(at, -100)
         return
     starts = label_starts(kwargs, labels.shape[1])

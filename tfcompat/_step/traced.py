@@ -14,7 +14,16 @@ def _assert(ok, what):
     CPU, by the next synchronising call on a GPU) whose message names tfcompat's check."""
     import torch
 
-    torch._assert_async(ok, f"tfcompat (checked inside torch.compile): {what}")
+    message = f"tfcompat (checked inside torch.compile): {what}"
+    if len(message) > ASSERT_MESSAGE_LIMIT:  # CUDA refuses the call itself: every compiled step would fail
+        raise AssertionError(f"tfcompat: a device-side check's message is {len(message)} characters, over CUDA's "
+                             f"{ASSERT_MESSAGE_LIMIT}: {message}")
+    torch._assert_async(ok, message)
+
+
+#: the longest message torch._assert_async takes on CUDA ("Message length must be smaller than 255", seen on an
+#: H200, torch 2.11: every fullgraph-compiled packed step failed); the CPU takes any length
+ASSERT_MESSAGE_LIMIT = 254
 
 
 def _traced_starts_of_positions(t, valid=None):
@@ -63,7 +72,7 @@ def _traced_cu(explicit, batch, local):
         if given is not None:
             ok = ok & (steps.max() == given)
     _assert(ok, f"{source} must run from 0 to the row's {local} tokens, strictly increasing, its longest sequence "
-                f"equal to max_length_q/k where given; pass the boundaries and lengths of the same collator")
+                f"equal to max_length_q/k; pass both from one collator")
     return cu, source, max_len
 
 
@@ -120,9 +129,8 @@ def traced_step(state, group, explicit, position_ids, mask, batch, local, device
         if text is not None and text.shape[0] == 1:
             starts = torch.cat((torch.ones(1, dtype=torch.bool, device=device), seq[1:] != seq[:-1]))
             _assert((starts == _traced_starts_of_positions(text[0].to(device))).all(),
-                    f"{source or 'seq_idx'} and the position ids put sequence starts at different tokens; RoPE and "
-                    f"attention would disagree about where sequences begin; pass position ids that count from 0 in "
-                    f"every sequence (as DataCollatorWithFlattening and tfcompat.packing.pack build them)")
+                    f"{source or 'seq_idx'} and the position ids put sequence starts at different tokens; pass "
+                    f"position ids counting from 0 in every sequence (DataCollatorWithFlattening's)")
         elif position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 3 and \
                 position_ids.shape[1] == 1:
             starts = torch.cat((torch.ones(1, dtype=torch.bool, device=device), seq[1:] != seq[:-1]))
@@ -160,15 +168,13 @@ def traced_step(state, group, explicit, position_ids, mask, batch, local, device
         seen = torch.cumsum(valid.to(torch.int64), -1) > 1
         restarts = ((text == 0) & valid & seen).any(-1)
         if cached:  # decoding (or a prefill that fills a cache): upstream's path, as eagerly
-            _assert(~restarts.any(), "a row of position ids restarts at 0 (several packed sequences) in a call "
-                                     "with a KV cache or use_cache (passed, or the config's outside training); "
-                                     "sequences of a packed row cannot share one cache: pass use_cache=False and no "
-                                     "past_key_values for a packed row, or unpack the row for generation")
+            _assert(~restarts.any(), "position ids restart at 0 (a packed row) in a call with a KV cache or "
+                                     "use_cache; packed sequences cannot share a cache: pass use_cache=False and no "
+                                     "past_key_values")
         else:
-            _assert(~restarts.any(), "a row of position ids restarts at 0 (several packed sequences) beside an "
-                                     "attention_mask or in a batch of several rows; under torch.compile pass a "
-                                     "packed row as one row with no attention_mask (as DataCollatorWithFlattening "
-                                     "does), or with cu_seq_lens_q")
+            _assert(~restarts.any(), "position ids restart at 0 (a packed row) beside an attention_mask or in a "
+                                     "batch of rows; compiled, pass a packed row alone, with no attention_mask "
+                                     "(DataCollatorWithFlattening's), or cu_seq_lens_q")
     return None
 
 
