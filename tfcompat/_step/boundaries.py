@@ -180,14 +180,9 @@ def explicit_cu(explicit):
 
 
 def find_step(state, group, explicit, position_ids, mask, batch, local, device, cached=False):
-    """The step's boundaries, or None for an input that is not packed (and no Ulysses group). ``cached``: the
-    call carries a KV cache (read under torch.compile only, where a row is not read eagerly)."""
-    import torch
-
-    if torch.compiler.is_compiling():
-        from .traced import traced_step
-
-        return traced_step(state, group, explicit, position_ids, mask, batch, local, device, cached)
+    """The step's boundaries, or None for an input that is not packed (and no Ulysses group): eagerly (under
+    torch.compile the text model asks :func:`.traced.traced_step`). ``cached``: the call carries a KV cache (read
+    by the traced step only, where a row is not read eagerly)."""
     world = state.world * state.cworld if group is not None else 1
     total = local * world
     row = local

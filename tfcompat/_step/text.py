@@ -10,6 +10,7 @@ from ..errors import PackedCacheError, PackingError
 from . import boundaries as _boundaries
 from . import scope as _carrier
 from . import shards as _shards
+from . import traced as _traced
 from .install import (
     _ATTR,
     _CACHE_NAMES,
@@ -20,6 +21,15 @@ from .install import (
     _remember_explicit,
     _signature,
 )
+
+
+def _find_step(state, group, explicit, position_ids, mask, batch, local, device, cached=False):
+    """The step's boundaries (:func:`.boundaries.find_step`), decided from shapes where torch.compile traces
+    (:func:`.traced.traced_step`)."""
+    import torch
+
+    find = _traced.traced_step if torch.compiler.is_compiling() else _boundaries.find_step
+    return find(state, group, explicit, position_ids, mask, batch, local, device, cached)
 
 
 def text_model_forward(self, *args, **kwargs):
@@ -68,8 +78,8 @@ def text_model_forward(self, *args, **kwargs):
     plan = _resolve.resolve("attention.signature", state.family).plan
     if position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 4 and not plan.four_row_ids:
         changed["position_ids"] = position_ids[1:]  # this release's text model predates the 4-row layout
-    step = _boundaries.find_step(state, _carrier.first(split.values()), explicit, position_ids,
-                                 a.get("attention_mask"), batch, local, ref.device, cached=_caching(self, a))
+    step = _find_step(state, _carrier.first(split.values()), explicit, position_ids, a.get("attention_mask"), batch,
+                      local, ref.device, cached=_caching(self, a))
     if step is None:
         return _unpacked(self, state, a, position_ids, changed, args, kwargs)
     return _packed(self, state, a, step, changed)
@@ -111,8 +121,8 @@ def _decode_under_group(self, state, a, seen, ref, args, kwargs):
     """generate() with the policy being trained (an RL rollout): every rank decodes its own batch with its own
     KV cache, as the unpatched model does; nothing is split (a training slice carries no cache). A packed row
     cannot be decoded so (its sequences would share the cache): refused, as without a group."""
-    if _boundaries.find_step(state, None, {}, seen, a.get("attention_mask"), ref.shape[0], ref.shape[1],
-                             ref.device) is not None:
+    if _find_step(state, None, {}, seen, a.get("attention_mask"), ref.shape[0], ref.shape[1],
+                  ref.device) is not None:
         raise _packed_with_cache(state, "a KV cache or cache_position")
     return _original(self, state, *args, **kwargs)
 
