@@ -27,7 +27,7 @@ __all__ = [
 MIN_TRANSFORMERS = "4.51.3"
 #: Newest release the tox matrix pins. Newer releases are resolved by probing and
 #: reported as untested by ``tfcompat report``; they are not refused.
-TESTED_MAX_TRANSFORMERS = "5.24.0"
+TESTED_MAX_TRANSFORMERS = "5.25.0"
 
 
 def _normalize(version):

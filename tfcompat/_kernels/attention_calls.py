@@ -70,6 +70,9 @@ _TORCH_HEAD = ("query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k"
 TORCH_VARLEN: dict[str, Any] = {
     "2.13": (_TORCH_HEAD, {}, ("return_aux", "scale", "window_size", "enable_gqa", "seqused_k", "block_table",
                                "num_splits")),
+    # 2.14.1: the same keywords as 2.13 (read from its file, tox env torch214)
+    "2.14": (_TORCH_HEAD, {}, ("return_aux", "scale", "window_size", "enable_gqa", "seqused_k", "block_table",
+                               "num_splits")),
     "kv-cache branch": (_TORCH_HEAD, {}, ("return_aux", "scale", "window_size", "k_cache", "v_cache",
                                           "cache_seqlens", "cache_batch_idx", "page_table", "seqused_k")),
 }
