@@ -295,3 +295,29 @@ def test_rooms():
            or (room[d] == "_tools" and room[m] != "_tools" and m not in ("__main__", "_tools"))
            or (d == "testing" and room[m] != "_tools")]
     assert not bad, bad
+
+
+def test_docstrings_name_modules_that_exist():
+    """Every :mod:`...` a docstring names (relative to its own package, or absolute) is a module of the package:
+    moved rooms left docstrings naming modules that no longer existed."""
+    import pathlib
+    import re
+
+    import tfcompat
+
+    root = pathlib.Path(tfcompat.__file__).parent
+    mods = {".".join(p.relative_to(root.parent).with_suffix("").parts) for p in root.rglob("*.py")}
+    mods |= {m[: -len(".__init__")] for m in mods if m.endswith(".__init__")}
+    stale = []
+    for path in root.rglob("*.py"):
+        package = ".".join(path.relative_to(root.parent).parent.parts)
+        for name in re.findall(r":mod:`~?([.\w]+)`", path.read_text()):
+            if name.startswith("."):
+                dots = len(name) - len(name.lstrip("."))
+                base = package.rsplit(".", dots - 1)[0] if dots > 1 else package
+                full = f"{base}.{name.lstrip('.')}" if name.lstrip(".") else base
+            else:
+                full = name if name.split(".")[0] == root.name else f"{root.name}.{name}"
+            if full not in mods:
+                stale.append(f"{path.name}: {name}")
+    assert not stale, stale

@@ -1,5 +1,5 @@
 """Which tokens of a row are image or video placeholders (``mm_token_type_ids``), and whether tfcompat.embeds
-serves a family: shared by :mod:`.embeds` and :mod:`._rope_index`."""
+serves a family: shared by :mod:`..embeds` and :mod:`.rope_index`."""
 
 from __future__ import annotations
 

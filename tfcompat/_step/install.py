@@ -1,7 +1,7 @@
 """What a patched module carries: its state, the callable that replaces its ``forward`` (keeping upstream's
 signature), the carriers of a packed step's boundaries, and installing / removing them on one module.
 
-Used by :mod:`._forwards` (the forwards) and :mod:`._patch` (``patch()``); imports neither.
+Used by :mod:`.forwards` (the forwards) and :mod:`.patch` (``patch()``); imports neither.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class _State:
 
 class _PatchedForward:
     """What a patched module's ``forward`` is: a picklable callable bound to its module, holding the forward
-    it runs by reference (a module-level function of ``_forwards``, pickled by its name)."""
+    it runs by reference (a module-level function of ``forwards``, pickled by its name)."""
 
     def __init__(self, module, kind, fn):
         self.module, self.kind, self.fn = module, kind, fn
