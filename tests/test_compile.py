@@ -472,3 +472,54 @@ def test_the_flash_attn_call_traces_once_looked_up(monkeypatch):
         torch._dynamo.reset()
     torch.testing.assert_close(out, q * 2)
     assert seen == [["causal", "deterministic", "dropout_p", "softmax_scale", "window_size"]]
+
+
+def test_compiled_layers_call_the_kernel_proven_before_compiling(monkeypatch):
+    """The FSDP2 recipe (``layer.compile()`` on every decoder layer, the step decided eagerly outside them) after
+    ``tfcompat.warmup``: the layers' graphs call the proven kernel's registered op (the stand-in for torch's
+    varlen_attn), not SDPA, and compiled equals eager, across steps of different boundaries; compiled before any
+    proof, they run SDPA and a warning says to warm up (no proof is traced into the graph)."""
+    from tfcompat import varlen
+
+    monkeypatch.setattr(varlen, "_kind", lambda q, dropout_p: "torch_varlen")
+    monkeypatch.setattr(varlen, "_torch_varlen", lambda: _stand_in_varlen_attn)
+    monkeypatch.setattr(varlen, "_UNPROVEN_SAID", set())
+
+    def run(compiled, warm=True):
+        tfcompat.clear_cache()
+        torch._dynamo.reset()
+        model = tiny_model(WHOLE[0], num_hidden_layers=2)
+        model.train()
+        tfcompat.patch(model)
+        if warm:
+            pk = pack(*padded(_rows(3)))
+            tfcompat.warmup(model, {"input_ids": pk.input_ids, "position_ids": pk.position_ids})
+        graphs = []
+        if compiled:
+            for layer in text_model(model).layers:
+                layer.compile(backend=_graph_recorder(graphs))
+        outs = []
+        for step in (3, 4, 5):
+            ids, mask = padded(_rows(step))
+            pk = pack(ids, mask)
+            logits = unpack(model(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False).logits, pk)
+            (logits * mask[..., None]).sum().backward()
+            outs.append((logits.detach()[mask.bool()], param_grads(model)))
+            model.zero_grad()
+        torch._dynamo.reset()
+        return outs, _targets(graphs)
+
+    got, targets = run(True)
+    assert "tfcompat_stand_in.varlen_fwd.default" in targets and "tfcompat_stand_in.varlen_bwd.default" in targets
+    assert not [t for t in targets if "scaled_dot_product" in t or "flash_attention" in t], targets
+    want, _ = run(False)
+    for step, ((g, gg), (w, wg)) in enumerate(zip(got, want)):
+        close_to_model(g, w, f"step {step} logits")
+        for key, a, b in grads_by_name(gg, wg, f"step {step}"):
+            close_to_model(a, b, f"step {step} {key}")
+    with pytest.warns(RuntimeWarning, match=r"tfcompat.warmup\(model, example\)"):
+        cold, cold_targets = run(True, warm=False)
+    assert "tfcompat_stand_in.varlen_fwd.default" not in cold_targets
+    assert [t for t in cold_targets if "scaled_dot_product" in t]
+    for step, ((g, _), (w, _)) in enumerate(zip(cold, want)):
+        close_to_model(g, w, f"cold step {step} logits")

@@ -223,7 +223,12 @@ def _varlen(q, k, v, cu_seqlens, bounds, max_seqlen, *, causal, softmax_scale, w
         # proof is not used (one warning).
         from ._kernels import attention_calls as calls
 
-        if calls.passed(kind, q, k, causal, window) or _prove_gpu(kind, q, k, v, causal, softmax_scale, window):
+        if torch.compiler.is_compiling():  # a compiled layer: the kernel proven before tracing, as its op
+            ready = traced_kernel(q, k, v, causal, window, dropout_p) != "sdpa"
+        else:
+            ready = calls.passed(kind, q, k, causal, window) or _prove_gpu(kind, q, k, v, causal, softmax_scale,
+                                                                           window)
+        if ready:
             return _gpu_call(kind, q, k, v, cu_seqlens.to(device=q.device, dtype=torch.int32), max_seqlen, causal,
                              softmax_scale, window, dropout_p)
     if torch.compiler.is_compiling():
