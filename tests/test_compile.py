@@ -520,6 +520,7 @@ def test_compiled_layers_call_the_kernel_proven_before_compiling(monkeypatch):
     with pytest.warns(RuntimeWarning, match=r"tfcompat.warmup\(model, example\)"):
         cold, cold_targets = run(True, warm=False)
     assert "tfcompat_stand_in.varlen_fwd.default" not in cold_targets
-    assert [t for t in cold_targets if "scaled_dot_product" in t]
+    # SDPA (torch 2.7's AOT graph holds its decomposition: a softmax)
+    assert [t for t in cold_targets if "scaled_dot_product" in t or "softmax" in t]
     for step, ((g, _), (w, _)) in enumerate(zip(cold, want)):
         close_to_model(g, w, f"cold step {step} logits")
