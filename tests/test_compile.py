@@ -356,10 +356,11 @@ def test_a_kernel_proven_before_compiling_is_the_op_the_graph_calls(monkeypatch)
     collator's kwargs (cu_seq_lens, max_length) then calls that op in its forward and backward graphs, not SDPA,
     and compiled equals eager. Traced before any proof, the graph runs SDPA and a warning says to warm up."""
     from tfcompat import varlen
+    from tfcompat._kernels import table
 
     monkeypatch.setattr(varlen, "_kind", lambda q, dropout_p: "torch_varlen")
     monkeypatch.setattr(varlen, "_torch_varlen", lambda: _stand_in_varlen_attn)
-    monkeypatch.setattr(varlen, "_UNPROVEN_SAID", set())
+    monkeypatch.setattr(table, "SAID", set())
     name = WHOLE[0]
 
     def run(compiled, warm):
@@ -480,10 +481,11 @@ def test_compiled_layers_call_the_kernel_proven_before_compiling(monkeypatch):
     varlen_attn), not SDPA, and compiled equals eager, across steps of different boundaries; compiled before any
     proof, they run SDPA and a warning says to warm up (no proof is traced into the graph)."""
     from tfcompat import varlen
+    from tfcompat._kernels import table
 
     monkeypatch.setattr(varlen, "_kind", lambda q, dropout_p: "torch_varlen")
     monkeypatch.setattr(varlen, "_torch_varlen", lambda: _stand_in_varlen_attn)
-    monkeypatch.setattr(varlen, "_UNPROVEN_SAID", set())
+    monkeypatch.setattr(table, "SAID", set())
 
     def run(compiled, warm=True):
         tfcompat.clear_cache()

@@ -224,7 +224,7 @@ def _varlen(q, k, v, cu_seqlens, bounds, max_seqlen, *, causal, softmax_scale, w
         from ._kernels import attention_calls as calls
 
         if torch.compiler.is_compiling():  # a compiled layer: the kernel proven before tracing, as its op
-            ready = traced_kernel(q, k, v, causal, window, dropout_p) != "sdpa"
+            ready = _proven_before_tracing(kind, q, k, causal, window)  # kind and shapes checked above
         else:
             ready = calls.passed(kind, q, k, causal, window) or _prove_gpu(kind, q, k, v, causal, softmax_scale,
                                                                            window)
@@ -243,8 +243,7 @@ def _varlen(q, k, v, cu_seqlens, bounds, max_seqlen, *, causal, softmax_scale, w
 def traced_kernel(q, k, v, causal, window, dropout_p):
     """Inside a region torch.compile traces: the GPU kernel that serves these tensors (flash-attn's varlen function
     or torch's ``varlen_attn``, each a ``torch.library`` op the graph calls), if it passed its first-use proof
-    before tracing, else ``"sdpa"`` (one masked SDPA call), with one warning saying how to warm up. No proof runs
-    inside a graph (``table.blocked``)."""
+    before tracing, else ``"sdpa"`` (one masked SDPA call). No proof runs inside a graph (``table.blocked``)."""
     kind = _kind(q, dropout_p)
     if kind == "sdpa":
         return kind
@@ -252,28 +251,22 @@ def traced_kernel(q, k, v, causal, window, dropout_p):
 
     if calls.unfit_shapes(q, k, v):
         return "sdpa"
+    return kind if _proven_before_tracing(kind, q, k, causal, window) else "sdpa"
+
+
+def _proven_before_tracing(kind, q, k, causal, window):
+    """Whether ``kind`` passed its proof for this layout before the graph was traced (a constant of the graph);
+    if not, one warning saying how to warm up."""
+    from ._kernels import attention_calls as calls
+    from ._kernels import table
+
     if calls.passed_before_tracing(kind, q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], causal, window):
-        return kind
-    _say_unproven(kind)
-    return "sdpa"
-
-
-def _say_unproven(kind):
-    """The note of a traced call whose GPU kernel was not proven before tracing (once a process; a constant while
-    dynamo traces, so no graph break)."""
-    import warnings
-
-    if kind not in _UNPROVEN_SAID:
-        _UNPROVEN_SAID.add(kind)
-        warnings.warn(f"tfcompat: torch.compile traced a packed attention call before the {kind} kernel proved "
-                      f"itself in this process, so the compiled graph runs the SDPA path; call "
-                      f"tfcompat.warmup(model, example) (or one eager step) before compiling to have the graph call "
-                      f"the {kind} kernel", RuntimeWarning, stacklevel=3)
-    return True
-
-
-_UNPROVEN_SAID: set = set()
-_say_unproven._dynamo_marked_constant = True  # type: ignore[attr-defined]
+        return True
+    table.say_traced(f"tfcompat: torch.compile traced a packed attention call before the {kind} kernel proved "
+                     f"itself in this process, so the compiled graph runs the SDPA path; call "
+                     f"tfcompat.warmup(model, example) (or one eager step) before compiling to have the graph call "
+                     f"the {kind} kernel")
+    return False
 
 
 def _sdpa_masked(q, k, v, cu, scale, causal, window, dropout_p):

@@ -19,7 +19,8 @@ import time
 import warnings
 from typing import NamedTuple, Optional
 
-__all__ = ["Impl", "TABLE", "rows", "first_use", "passed", "proven", "forget", "blocked", "isolated"]
+__all__ = ["Impl", "TABLE", "rows", "first_use", "passed", "proven", "forget", "blocked", "isolated", "say_once",
+           "say_traced"]
 
 
 class Impl(NamedTuple):
@@ -192,6 +193,28 @@ def isolated(device):
             stack.enter_context(torch.autocast(dev, enabled=False))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_keep, _keep))
         yield
+
+
+#: the messages :func:`say_once` said in this process
+SAID: set = set()
+
+
+def say_once(message, stacklevel=4):
+    """One RuntimeWarning per message and process."""
+    if message not in SAID:
+        SAID.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+
+
+def say_traced(message):
+    """:func:`say_once` from code torch.compile traces: dynamo calls it once while tracing and keeps its result as
+    a constant, so the warning costs no graph break (``fullgraph=True`` compiles; tests/test_compile.py)."""
+    say_once(message)
+    return True
+
+
+# what torch.compiler.assume_constant_result sets (torch 2.7-2.13), without importing torch._dynamo (~2 s) here
+say_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _compiling():

@@ -10,8 +10,10 @@ per-layer code does no choosing, folding or casting.
 from __future__ import annotations
 
 import os
-import warnings
 
+from .._kernels.table import SAID as _SAID  # noqa: F401  (the said messages: tests clear some)
+from .._kernels.table import say_once as _say_once
+from .._kernels.table import say_traced as _say_traced
 from .._probe import backends as _backends
 from .._probe.families import family as family_of
 from .._probe.resolve import resolve
@@ -165,24 +167,6 @@ class Rotation:
                 kernels.rotate(k, self.cos, self.sin, self.trig, self.seq_dim, inplace=inplace))
 
 
-_SAID: set = set()
-
-
-def _say_once(message):
-    if message not in _SAID:
-        _SAID.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
-
-
-def _say_traced(message):
-    """:func:`_say_once` from code torch.compile traces: dynamo calls it once while tracing and keeps its result
-    as a constant, so the warning costs no graph break (``fullgraph=True`` compiles; tests/test_compile.py)."""
-    _say_once(message)
-    return True
-
-
-# what torch.compiler.assume_constant_result sets (torch 2.7-2.13), without importing torch._dynamo (~2 s) here
-_say_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def for_layers(carried, q, k, family, section, res):

@@ -1,6 +1,6 @@
 """The step under torch.compile: decided from the call's shapes, never from values, with every check of values
 a device-side assertion naming tfcompat's check (no host read inside a compiled region). The eager rules are in
-:mod:`.boundaries`, which defers here while torch.compile traces."""
+:mod:`.boundaries`; the text model asks here while torch.compile traces."""
 
 from __future__ import annotations
 
