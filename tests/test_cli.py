@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def python(*argv, cwd=None, timeout=300):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=cwd or ROOT, env=env,
                           timeout=timeout)
 
@@ -40,12 +40,24 @@ def test_report_json_schema():
     assert {f"rope.apply:{n}" for n in installed()} <= caps
     for r in doc["resolutions"]:
         assert set(r) == {"capability", "impl", "source", "reason", "transformers", "plan"}
+    # the summary: what a reader needs first, counted from the decisions below it
+    summary = doc["summary"]
+    assert set(summary) == {"release", "kernels", "carrier", "families", "unsupported"}
+    assert summary["families"].startswith(f"{len(installed())} on this release: ")
+    assert doc["transformers"] in summary["release"] and summary["unsupported"] == "none"
+    backend = next(r["impl"] for r in doc["resolutions"] if r["capability"] == "varlen.backend")
+    assert backend in summary["kernels"]
+    assert doc["provenance"]["version"] == doc["tfcompat"]
 
 
 def test_report_text():
     out = run("report")
     assert out.returncode == 0
     assert "transformers" in out.stdout and "rope.apply:qwen2_vl" in out.stdout
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("tfcompat ") and "(commit " in lines[0]
+    # the summary block comes before the decisions it sums up
+    assert lines.index("summary:") < min(i for i, line in enumerate(lines) if line.startswith("rope.apply:"))
     wide = [line for line in out.stdout.splitlines() if len(line) > 100]
     assert not wide, f"report lines wider than 100 columns: {wide[:2]}"
 
@@ -79,16 +91,44 @@ def check_here(capsys, *args):
 
 
 def test_check_text_table_and_summary(capsys):
+    """The summary block first (the imports' time apart from the checks', what passed per check, the legend); the
+    table of one line per check only with --verbose; the closing count last."""
     code, out = check_here(capsys, "--family", "qwen2_vl")
     assert code == 0
-    last = out.strip().splitlines()[-1]
-    assert "rope.native.fp32" in out and last.startswith("7 passed, 0 failed, 0 skipped (1 family,")
+    lines = out.strip().splitlines()
+    assert lines[0].startswith("tfcompat check: ") and lines[1].startswith("time: imports ")
+    assert lines[2] == "summary: 7 passed, 0 failed, 0 skipped"
+    assert "rope.native.fp32 (1)" in out and any(line.startswith("legend: ") for line in lines)
+    assert not any(line.startswith("  [") for line in lines), "the table without --verbose"
+    assert lines[-1].startswith("7 passed, 0 failed, 0 skipped (1 family,")
+    assert not [line for line in lines if len(line) > 100]
+    code, verbose = check_here(capsys, "--family", "qwen2_vl", "--verbose")
+    table = [line for line in verbose.splitlines() if line.startswith("  [ok  ] qwen2_vl ")]
+    assert code == 0 and len(table) == 7 and verbose.index("summary:") < verbose.index("  [ok  ]")
+
+
+def test_check_summary_groups_the_skips_by_reason(capsys):
+    """Every skipped check is counted under its reason, with the families and checks it covers."""
+    from tfcompat._probe.families import FAMILIES
+
+    names = [n for n in installed() if not FAMILIES[n].vision][:2]
+    code, out = check_here(capsys, *[a for n in names for a in ("--family", n)], "--json")
+    skipped = [r for r in json.loads(out)["results"] if r["skipped"]]
+    code, out = check_here(capsys, *[a for n in names for a in ("--family", n)])
+    assert code == 0 and skipped
+    text = " ".join(out.split())
+    for reason in {r["skipped"] for r in skipped}:
+        count = sum(r["skipped"] == reason for r in skipped)
+        fams = ", ".join(dict.fromkeys(r["family"] for r in skipped if r["skipped"] == reason))
+        assert f"{count} x {' '.join(reason.split())} [{fams}: " in text, (reason, out)
 
 
 def test_check_fails_on_a_wrong_tolerance(capsys):
     code, out = check_here(capsys, "--family", "qwen2_vl", "--tolerance", "-1")
     assert code == 1
-    assert "FAIL" in out and "0 passed, 7 failed" in out
+    assert "0 passed, 7 failed" in out
+    # a failed check's line is printed without --verbose
+    assert len([line for line in out.splitlines() if line.startswith("  [FAIL] qwen2_vl ")]) == 7
 
 
 def test_check_says_why_a_check_does_not_apply(capsys):
@@ -97,7 +137,7 @@ def test_check_says_why_a_check_does_not_apply(capsys):
 
     name = next((n for n in installed() if FAMILIES[n].nope), None) or next(
         n for n in installed() if not FAMILIES[n].vision)
-    code, out = check_here(capsys, "--family", name)
+    code, out = check_here(capsys, "--family", name, "--verbose")
     assert code == 0, out
     lines = [line for line in out.splitlines() if line.startswith("  [")]
     assert len(lines) == 7
@@ -110,7 +150,7 @@ def test_check_says_why_a_check_does_not_apply(capsys):
 @pytest.mark.parametrize("command", [["report"], ["report", "--json"]])
 def test_output_survives_a_closed_pipe(command):
     """`tfcompat report | head -1`: no traceback when the reader leaves."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     argv = " ".join([sys.executable, "-m", "tfcompat", *command])
     out = subprocess.run(f"{argv} | head -1", shell=True, capture_output=True, text=True, cwd=ROOT, env=env,
                          timeout=120)

@@ -12,7 +12,7 @@ import pytest
 from _helpers import BOUNDARY_ONLY
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "tfcompat"
+PACKAGE = ROOT / "src" / "tfcompat"
 
 
 def test_no_module_imports_the_package_absolutely():
@@ -71,7 +71,7 @@ def test_vendored_copy_runs_a_family_check(tmp_path):
             not os.environ.get("TFCOMPAT_VENDOR_EVERYWHERE"):
         pytest.skip(f"runs with transformers {version.MIN_TRANSFORMERS} and {version.TESTED_MAX_TRANSFORMERS}")
     dest = tmp_path / "myproj" / "_vendor" / "tfcompat"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     out = subprocess.run([sys.executable, "-m", "tfcompat", "vendor", str(dest)], capture_output=True,
                          text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -83,6 +83,9 @@ def test_vendored_copy_runs_a_family_check(tmp_path):
         "from myproj._vendor.tfcompat import rope, config\n"
         "from myproj._vendor.tfcompat._tools import cli as _cli\n"
         "assert t.__file__.startswith(sys.argv[1]), t.__file__\n"
+        "from myproj._vendor.tfcompat import _provenance\n"
+        "p = _provenance.provenance()\n"
+        "assert p['version'] == t.__version__ and p['made'].startswith('vendored '), p\n"
         "rc = _cli.main(['check', '--family', 'qwen2_5_vl'])\n"
         "leaked = [m for m in sys.modules if m == 'tfcompat' or m.startswith('tfcompat.')]\n"
         "assert not leaked, leaked\n"
@@ -104,7 +107,7 @@ def test_vendored_copy_without_tools(tmp_path):
     says the tools were left out (exit 2) instead of a traceback. Three interpreter starts: on the boundary
     releases."""
     dest = tmp_path / "myproj" / "_vendor" / "tfcompat"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     for flags in ([], ["--no-tools"]):
         out = subprocess.run([sys.executable, "-m", "tfcompat", "vendor", str(dest), *flags], capture_output=True,
                              text=True, env=env, timeout=120)
@@ -152,7 +155,7 @@ def test_vendor_makes_the_parent_packages_a_wheel_needs(tmp_path):
     (project / "myproj" / "__init__.py").write_text("KEEP = 1\n")
     (project / "setup.py").write_text("from setuptools import setup, find_packages\n"
                                       "setup(name='myproj', version='0.0.1', packages=find_packages())\n")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     out = subprocess.run([sys.executable, "-m", "tfcompat", "vendor", str(project / "myproj" / "_vendor" /
                                                                          "tfcompat")],
                          capture_output=True, text=True, env=env, timeout=120)
@@ -172,5 +175,10 @@ def test_vendor_makes_the_parent_packages_a_wheel_needs(tmp_path):
 
     names = zipfile.ZipFile(tmp_path / "dist" / out.stdout.strip().splitlines()[-1]).namelist()
     for want in ("myproj/_vendor/__init__.py", "myproj/_vendor/tfcompat/__init__.py",
-                 "myproj/_vendor/tfcompat/rope.py", "myproj/_vendor/tfcompat/_kernels/rope.py"):
+                 "myproj/_vendor/tfcompat/rope.py", "myproj/_vendor/tfcompat/_kernels/rope.py",
+                 "myproj/_vendor/tfcompat/_provenance.py"):
         assert want in names, (want, sorted(names)[:20])
+    # the wheel names the version and the commit the copy came from (VENDORED, not a module, stays behind)
+    stamp = zipfile.ZipFile(tmp_path / "dist" / out.stdout.strip().splitlines()[-1]).read(
+        "myproj/_vendor/tfcompat/_provenance.py").decode()
+    assert "\nSTAMP = (" in stamp and "'vendored')" in stamp, stamp

@@ -10,7 +10,7 @@ import os
 import platform
 import sys
 
-from .. import __version__
+from .. import __version__, _provenance
 from .common import _PROG, SCHEMA, _dist_version  # noqa: F401 (SCHEMA: the JSON schema, public here)
 
 
@@ -22,6 +22,8 @@ def _report(args):
     doc = {
         "schema": SCHEMA,
         "tfcompat": __version__,
+        # where this copy came from: {"version", "commit", "made"} (a checkout, a wheel, a vendored copy)
+        "provenance": _provenance.provenance(),
         "python": platform.python_version(),
         "torch": _dist_version("torch"),
         "transformers": _dist_version("transformers"),
@@ -35,6 +37,7 @@ def _report(args):
         version.require_supported_transformers("tfcompat report")
         doc["families"] = _resolve.installed_families()
         doc["resolutions"] = [r.as_dict() for r in report()]
+        doc["summary"] = _summary(doc)
         if version.transformers_version() > version._normalize(version.TESTED_MAX_TRANSFORMERS):
             doc["note"] = (f"transformers {doc['transformers']} is newer than the newest tested release "
                            f"{version.TESTED_MAX_TRANSFORMERS}; every choice below comes from probes")
@@ -60,15 +63,55 @@ def _report(args):
     return 1 if doc["error"] or any(r["impl"] == "unsupported" for r in doc["resolutions"]) else 0
 
 
+def _summary(doc):
+    """The decisions that matter, from the resolutions: the release against the tested range, the kernels per
+    device, what carries the packed step, and which families are served how (``doc["summary"]``)."""
+    from .. import version
+    from .._probe.families import FAMILIES
+
+    res = {r["capability"]: r for r in doc["resolutions"]}
+    installed = [f for f in doc["families"] if f in FAMILIES]
+    nope = [f for f in installed if FAMILIES[f].nope]
+    rope_only = [f for f in installed if FAMILIES[f].patch_refusal and f not in nope]
+    patched = [f for f in installed if f not in nope and f not in rope_only]
+    low, high = doc["supported_range"]
+    try:
+        newer = version.transformers_version() > version._normalize(high)
+    except Exception:  # no transformers: the error line says so
+        newer = False
+    rope = res.get("rope.impl", {}).get("impl", "-")
+    varlen = res.get("varlen.backend", {}).get("impl", "-")
+    return {
+        "release": (f"transformers {doc['transformers']}: newer than the newest tested ({high}); every decision "
+                    f"is probed" if newer else f"transformers {doc['transformers']}: in the tested range "
+                    f"{low} .. {high}"),
+        "kernels": (f"rope {rope.replace('=', ': ').replace(' cuda', ', cuda')}; packed attention: cpu and fp32 "
+                    f"sdpa (exact, per sequence), cuda fp16/bf16 {varlen}"),
+        "carrier": ("tfcompat's bundled attention forwards (boundaries ride the rotary output and the call's "
+                    "kwargs) for every patched family"),
+        "families": (f"{len(installed)} on this release: {len(patched)} patched, {len(rope_only)} rope only"
+                     + (f" ({', '.join(rope_only)})" if rope_only else "")
+                     + (f", {len(nope)} without rope ({', '.join(nope)})" if nope else "")),
+        "unsupported": ", ".join(r["capability"] for r in doc["resolutions"] if r["impl"] == "unsupported")
+                       or "none",
+    }
+
+
 def _print_report(doc):
-    """The report as lines: versions, then one block per decision, at most 100 columns."""
+    """The report as lines: versions, a summary, then one block per decision, at most 100 columns."""
     import textwrap
 
-    print(f"tfcompat {doc['tfcompat']}  python {doc['python']}  torch {doc['torch']}  "
-          f"transformers {doc['transformers']}  flash-attn {doc['flash_attn'] or '-'}")
-    print(f"supported transformers: {doc['supported_range'][0]} .. {doc['supported_range'][1]} (newer: probed)")
+    print(f"tfcompat {_provenance.describe()}")
+    print(f"python {doc['python']}  torch {doc['torch']}  transformers {doc['transformers']}  "
+          f"flash-attn {doc['flash_attn'] or '-'}")
     if doc.get("note"):
         print(textwrap.fill(doc["note"], 100, initial_indent="note: ", subsequent_indent="  "))
+    if doc.get("summary"):
+        print("summary:")
+        for key, text in doc["summary"].items():
+            print(textwrap.fill(text, 100, initial_indent=f"  {key:<12}", subsequent_indent=" " * 14,
+                                break_on_hyphens=False))
+        print("decisions (capability: choice  (where upstream keeps it), then why):")
     for r in doc["resolutions"]:
         source = r["source"].replace("transformers.models.", "")
         head = f"{r['capability']}: {r['impl']}"
@@ -106,6 +149,8 @@ def build_parser():
     p = sub.add_parser("check", help="compare tfcompat against upstream on tiny random models, forward and backward")
     p.add_argument("--family", action="append", metavar="NAME", help="check only this family (repeatable)")
     p.add_argument("--json", action="store_true", help="machine-readable output (schema 1)")
+    p.add_argument("--verbose", "-v", action="store_true", help="one line per check after the summary (a failed "
+                   "check's line is always printed)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="override every check's absolute tolerance (a self-test of the failure path)")
     p.add_argument("--config", metavar="PATH",

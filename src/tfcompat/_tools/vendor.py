@@ -6,7 +6,7 @@ import os
 import shutil
 import sys
 
-from .. import __version__
+from .. import __version__, _provenance
 from .common import _PROG
 
 _MARKER = "VENDORED"
@@ -26,11 +26,15 @@ def vendor(args):
         return 2
     stale = _drop_stale(dest, written) if earlier else []
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    commit = _commit(source)
+    commit = _provenance.provenance()["commit"]
+    # the stamp a wheel of the vendoring project carries (VENDORED is not a module, so a wheel leaves it out)
+    with open(os.path.join(dest, "_provenance.py"), "w") as fh:
+        fh.write(_provenance.stamp_text(commit, stamp, "vendored"))
     with open(os.path.join(dest, _MARKER), "w") as fh:  # never a path: this file lands in other repositories
         fh.write(f"tfcompat {__version__}\nvendored {stamp}\ncommit {commit}\n"
                  f"{'without its tools (--no-tools)' if skip else 'with its tools'}\n"
-                 f"Import it relatively (from ._vendor import tfcompat); do not edit: re-run `tfcompat vendor`.\n")
+                 f"Import it relatively (from ._vendor import tfcompat). Do not edit it: to update it, run "
+                 f"`tfcompat vendor <this folder>` from a newer tfcompat checkout (it replaces this copy).\n")
     made = _parent_packages(dest)
     print(f"copied tfcompat {__version__} ({len(written)} files{', no tools' if skip else ''}) into {dest}; "
           f"wrote {os.path.join(dest, _MARKER)}")
@@ -125,18 +129,6 @@ def _parent_packages(dest):
                 fh.write("# made by `tfcompat vendor`: the vendored copy below is a package of this project\n")
             made.append(init)
     return made
-
-
-def _commit(source):
-    """The git commit the package was copied from, or "unknown" (an installed copy, no git)."""
-    import subprocess
-
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=source, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    sha = out.stdout.strip()
-    return sha if out.returncode == 0 and len(sha) == 40 else "unknown"
 
 
 def _inside(root, path):

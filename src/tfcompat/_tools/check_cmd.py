@@ -51,16 +51,68 @@ def _check(args):
         return _check_fail(args, f"transformers {_dist_version('transformers')} does not ship "
                                  f"{', '.join(missing)}; installed families: {', '.join(installed)}")
     _quiet_transformers()
+    began = time.perf_counter()
+    from ..testing import model_class
+
+    for name in names:  # torch, transformers and the families' modeling modules: timed apart from the checks
+        model_class(name)
+    imports = time.perf_counter() - began
     results = []
     start = time.perf_counter()
     width = max(len(n) for n in names)
     for name in names:
         for result in _checks.run_family(name, tolerance=args.tolerance):
             results.append(result)
-            if not args.json:
-                print(_check_line(result, width), flush=True)
-    return _finish(args, results, start, {"families": names},
-                   f"{len(names)} {'family' if len(names) == 1 else 'families'}")
+    label = f"{len(names)} {'family' if len(names) == 1 else 'families'}"
+    if not args.json:
+        print(f"tfcompat check: tfcompat vs transformers {_dist_version('transformers')}'s own code, tiny "
+              f"random-weight models, {label}, cpu")
+        print(f"time: imports {imports:.1f}s (torch, transformers, the modeling modules), checks "
+              f"{time.perf_counter() - start:.1f}s")
+        for line in summary_lines(results):
+            print(line)
+        if args.verbose:
+            print("every check:")
+        for result in results:
+            if args.verbose or (not result["passed"] and result["skipped"] is None):
+                print(_check_line(result, width))
+    return _finish(args, results, start, {"families": names, "import_seconds": round(imports, 3)}, label)
+
+
+#: what a line of the table means (printed with the summary)
+LEGEND = ("legend: [ok  ] within tol of upstream; [FAIL] outside it, or raised (the line says what); [skip] does "
+          "not apply, the reason given. fwd compares the outputs, fwd+bwd the outputs and every gradient; max|diff| "
+          "is the largest absolute difference from the installed transformers' own code. One line per check: "
+          "--verbose.")
+
+
+def summary_lines(results):
+    """The summary block: what passed (each check, over how many families), what was skipped, grouped by why
+    (which families, which checks), what failed (each), and the legend; at most 100 columns."""
+    import textwrap
+
+    def wrap(head, text):
+        return textwrap.wrap(text, 100, initial_indent=f"  {head:<9}", subsequent_indent=" " * 11,
+                             break_on_hyphens=False, break_long_words=False)
+
+    failed = [r for r in results if not r["passed"] and r["skipped"] is None]
+    skipped = [r for r in results if r["skipped"] is not None]
+    passed = [r for r in results if r["passed"] and r["skipped"] is None]
+    lines = [f"summary: {len(passed)} passed, {len(failed)} failed, {len(skipped)} skipped"]
+    per_check = {}
+    for r in passed:
+        per_check.setdefault(r["check"], set()).add(r["family"])
+    lines += wrap("passed", ", ".join(f"{c} ({len(f)})" for c, f in per_check.items()) or "none")
+    why = {}
+    for r in skipped:
+        fams, checks = why.setdefault(r["skipped"], ({}, {}))
+        fams[r["family"]] = checks[r["check"]] = None
+    for n, (reason, (fams, checks)) in enumerate(why.items()):
+        count = sum(r["skipped"] == reason for r in skipped)
+        lines += wrap("skipped" if n == 0 else "", f"{count} x {reason} [{', '.join(fams)}: {', '.join(checks)}]")
+    lines += wrap("failed", ", ".join(f"{r['family']} {r['check']}" for r in failed) or "none")
+    lines += textwrap.wrap(LEGEND, 100, subsequent_indent="  ", break_on_hyphens=False)
+    return lines
 
 
 def _check_model(args):
