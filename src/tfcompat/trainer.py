@@ -40,9 +40,27 @@ import torch.distributed as dist
 from .errors import UlyssesError
 from .ulysses import slice_for_rank
 
-__all__ = ["SequenceParallelMixin", "sequence_groups"]
+__all__ = ["SequenceParallelMixin", "sequence_groups", "checkpointing_args"]
 
 _WHAT = f"{__name__}.SequenceParallelMixin"  # the vendored copy names itself
+
+
+def checkpointing_args(*, reentrant: bool = False) -> dict:
+    """``TrainingArguments`` keywords that turn on activation checkpointing on the installed release, by its own
+    name: ``activation_checkpointing`` (5.24+; the old name warns there) or ``gradient_checkpointing``, with
+    ``use_reentrant`` set (non-reentrant by default, as 5.x defaults)::
+
+        args = transformers.TrainingArguments(output_dir=..., **checkpointing_args())
+
+    .. versionadded:: 0.2.0
+    """
+    import dataclasses
+
+    import transformers
+
+    names = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    key = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    return {key: True, f"{key}_kwargs": {"use_reentrant": bool(reentrant)}}
 
 
 def sequence_groups(model: Any) -> dict:
