@@ -39,7 +39,8 @@ want.backward()
 diff = max((g - (p.grad if p.grad is not None else 0)).abs().max().item()
            for g, p in zip(grads, upstream.parameters()))
 scale = max(p.grad.abs().max().item() for p in upstream.parameters() if p.grad is not None)
-ok = abs(loss.item() - want.item()) <= 1e-5 * abs(want.item()) and diff <= 1e-4 * scale
+TOL = 1e-5                                      # relative: fp32 on the CPU lands near 1e-7
+ok = abs(loss.item() - want.item()) <= TOL * abs(want.item()) and diff <= TOL * scale
 print(f"rank {dist.get_rank()}/{dist.get_world_size()}: loss {loss.item():.6f} vs unpatched padded {want.item():.6f}, "
       f"max|grad diff| {diff:.1e} (largest grad {scale:.1e}): {'PASS' if ok else 'FAIL'}")
 dist.destroy_process_group()

@@ -60,7 +60,8 @@ want.backward()
 scale = max(p.grad.abs().max().item() for p in upstream.parameters() if p.grad is not None)
 diff = max((a.grad - b.grad).abs().max().item() for a, b in zip(model.parameters(), upstream.parameters())
            if b.grad is not None)
-ok = abs(loss.item() - want.item()) <= 1e-5 * abs(want.item()) and diff <= 1e-4 * scale
+TOL = 1e-5  # relative: fp32 on the CPU lands near 1e-7
+ok = abs(loss.item() - want.item()) <= TOL * abs(want.item()) and diff <= TOL * scale
 print(f"{family}: packed {packed.input_ids.shape[1]} tokens of {tuple(ids.shape)}: loss {loss.item():.6f} vs "
       f"unpatched padded {want.item():.6f}, max|grad diff| {diff:.1e} (largest grad {scale:.1e}): "
       f"{'PASS' if ok else 'FAIL'}")
