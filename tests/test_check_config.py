@@ -60,6 +60,10 @@ def test_published_config_passes_every_check(path, capsys):
     refusal = family(model_type).patch_refusal  # MLA (GLM-4.7-Flash), DeepSeek sparse attention (GLM-5): said
     assert packed["skipped"] is None if not refusal else refusal in packed["skipped"], packed
     assert doc["kept"], "the scaled model reports what it kept"
+    # a kept RoPE dict shows rope_type, not also the legacy 'type' alias transformers keeps beside it
+    for key in ("rope_parameters", "rope_scaling"):
+        shown = doc["kept"].get(key, "")
+        assert not ("'rope_type'" in shown and "'type'" in shown), (key, shown)
 
 
 def test_a_family_this_release_lacks_names_the_first_release_with_it(capsys):

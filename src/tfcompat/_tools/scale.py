@@ -187,6 +187,9 @@ def _report(text, scaled, kept, overrides, heads_facts):
     shown = {k: v for k, v in overrides.items() if k in KEPT and k not in ("sliding_window",)}
     if "sliding_window" in kept and overrides.get("sliding_window") == kept["sliding_window"]:
         shown["sliding_window"] = kept["sliding_window"]
+    for key in ("rope_scaling", "rope_parameters"):  # 'type' is the legacy alias transformers keeps beside rope_type
+        if isinstance(shown.get(key), dict) and "rope_type" in shown[key]:
+            shown[key] = {k: v for k, v in shown[key].items() if k != "type"}
     if "vision_config" in overrides:
         shown["vision.spatial_merge_size"] = overrides["vision_config"]["spatial_merge_size"]
     changed = _changed(text, text_config(scaled), kept)
