@@ -76,7 +76,9 @@ def test_the_package_names_its_version_and_the_commit_it_came_from():
     if len(head) != 40:
         pytest.skip("the tests do not run in a git checkout")
     got = _provenance.provenance()
-    assert got["version"] == "0.2.0" and got["commit"] == head, got
+    assert got["version"] == "0.2.0", got
+    assert got["commit"] == head, (f"the installed tfcompat ({got['made']}) names commit {got['commit']}, this "
+                                   f"checkout is at {head}: a stale install (reinstall it), or the stamp is wrong")
     assert got["made"] == "checkout" or got["made"].startswith("wheel "), got
     out = subprocess.run([sys.executable, "-m", "tfcompat", "report", "--json"], capture_output=True, text=True,
                          timeout=120, cwd=os.path.dirname(root))
