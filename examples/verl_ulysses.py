@@ -1,5 +1,12 @@
 # torchrun --nproc_per_node 2 examples/verl_ulysses.py   (verl's actor step: packed rows, Ulysses, checkpointing)
-import copy, inspect, sys, torch, torch.distributed as dist, tfcompat
+import copy
+import inspect
+import sys
+
+import torch
+import torch.distributed as dist
+
+import tfcompat
 from tfcompat.embeds import mm_token_type_ids, rope_index
 from tfcompat.packing import pack, unpack
 from tfcompat.testing import tiny_model, tiny_pixels, tiny_sequence
