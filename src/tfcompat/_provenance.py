@@ -2,7 +2,7 @@
 
 ``tfcompat vendor`` rewrites this file in the copy it makes, and a wheel build stamps it (``setup.py``), so a
 vendored copy or a wheel names its commit after it has left the repository; a git checkout is read live.
-Imports nothing of the package: any room may ask it.
+Imports nothing of the package (the version is read from the package object, always loaded first).
 """
 
 import os
@@ -33,8 +33,9 @@ def _checkout_commit(package_dir):
 
 def provenance():
     """``{"version", "commit", "made"}``: ``made`` is "vendored YYYY-MM-DD", "wheel", "checkout" or "unknown"."""
-    from . import __version__
+    import sys
 
+    __version__ = sys.modules[__package__].__version__  # the package itself: imported before any of its modules
     if STAMP is not None:
         commit, date, how = STAMP
         return {"version": __version__, "commit": commit, "made": f"{how} {date}".strip()}
