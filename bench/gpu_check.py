@@ -27,7 +27,9 @@ def main():
         print("no CUDA device: nothing to check")
         return 2
     from tfcompat import varlen
-    from tfcompat.varlen import _sdpa_fallback, flash_attn_available, varlen_attention
+    from tfcompat._kernels import varlen as _kv
+    from tfcompat._kernels.varlen import _sdpa_fallback
+    from tfcompat.varlen import flash_attn_available, varlen_attention
 
     dev = torch.device("cuda")
     failures = 0
@@ -52,14 +54,14 @@ def main():
         failures += against_fallback("varlen flash", varlen_attention(q, k, v, cu), None)
     else:
         print("[skip] flash-attn is not importable: pip install flash-attn")
-    if varlen._backends.torch_ships("nn/attention/varlen.py"):
+    if _kv._choice.torch_ships("nn/attention/varlen.py"):
         # PyTorch's own varlen kernel, as varlen._varlen calls it (causal, and a sliding window of 64)
         from tfcompat._kernels import attention_calls as calls
 
         for window in (None, 64):
             args, kwargs = calls.torch_call(q, k, v, cu, 511, causal=True, scale=64 ** -0.5, window=window,
-                                            params=varlen._backends.torch_varlen_params())
-            out = varlen._torch_varlen()(*args, **kwargs)
+                                            params=_kv._choice.torch_varlen_params())
+            out = _kv._torch_varlen()(*args, **kwargs)
             failures += against_fallback(f"torch varlen_attn (window {window})", out, window)
     else:
         print("[skip] this torch has no torch.nn.attention.varlen")
@@ -108,7 +110,7 @@ def result_line(res):
 def pieces_reference(q, k, v, cu_q, cu_k, scale):
     """Each piece's queries are the last of its keys and see the keys up to themselves (bottom-right causal):
     tfcompat's context-parallel SDPA pieces (their mask), piece by piece."""
-    from tfcompat._step.context import _piece_mask
+    from tfcompat._kernels.context import _piece_mask
 
     outs = []
     bq, bk = cu_q.tolist(), cu_k.tolist()
@@ -124,6 +126,7 @@ def pieces_reference(q, k, v, cu_q, cu_k, scale):
 def piece_alignment(dev):
     """Check 5: varlen kernels on pieces with fewer queries than keys, against the bottom-right reference."""
     from tfcompat import varlen
+    from tfcompat._kernels import varlen as _kv
     from tfcompat._probe import backends as _backends
 
     g = torch.Generator(device=dev).manual_seed(1)
@@ -143,8 +146,8 @@ def piece_alignment(dev):
         import inspect
 
         # enable_gqa where the installed varlen_attn takes it (2.13); 2.11's shares kv heads itself
-        gqa = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen._torch_varlen()).parameters else {}
-        kernels["torch varlen_attn (window (-1, 0))"] = lambda: varlen._torch_varlen()(
+        gqa = {"enable_gqa": True} if "enable_gqa" in inspect.signature(_kv._torch_varlen()).parameters else {}
+        kernels["torch varlen_attn (window (-1, 0))"] = lambda: _kv._torch_varlen()(
             q, k, v, cu_q, cu_k, 300, 700, scale=64 ** -0.5, window_size=(-1, 0), **gqa)
     failures = 0
     for label, run in kernels.items():

@@ -13,8 +13,8 @@ import torch
 from packaging.version import Version
 
 from tfcompat._kernels import attention_calls as calls
+from tfcompat._kernels.varlen import _sdpa_fallback
 from tfcompat._probe import backends as _backends
-from tfcompat.varlen import _sdpa_fallback
 
 FLASH2 = calls.signature(calls.FLASH_ATTN_2["spec"])
 FLASH3 = calls.signature(calls.FLASH_ATTN_3["spec"])

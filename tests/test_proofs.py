@@ -16,8 +16,8 @@ import torch
 import tfcompat
 from tfcompat._kernels import attention_calls as calls
 from tfcompat._kernels import table
+from tfcompat._kernels.varlen import _sdpa_fallback
 from tfcompat.errors import TfcompatError
-from tfcompat.varlen import _sdpa_fallback
 
 from _helpers import rotary, triton_ready
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from ..errors import ConfigError, TfcompatError
 from .families import text_config
+from .rope_params import rope_dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,30 +60,6 @@ def load_config(path: str) -> Any:
         return AutoConfig.from_pretrained(folder, local_files_only=True)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def rope_dict(cfg, key):
-    """The raw RoPE dict (a copy) and the name of the attribute it came from."""
-    raw = cfg.__dict__.get("rope_parameters") if key == "rope_parameters" else None
-    if raw is None and key == "rope_parameters":
-        raw = getattr(cfg, "rope_parameters", None)
-    if raw is None:
-        from . import transformers4
-
-        raw = transformers4.rope_scaling(cfg)
-        key = "rope_scaling"
-    raw = dict(raw or {})
-    layer_types = getattr(cfg, "layer_types", None) or ()
-    if raw and set(raw) <= set(layer_types):
-        # 5.x nests one dict per attention type; RoPE belongs to the full-attention layers
-        nested = raw.get("full_attention")
-        if not isinstance(nested, dict):
-            raise ConfigError(
-                f"{key} of {type(cfg).__name__} is nested per layer type ({sorted(raw)}) without a "
-                f"'full_attention' entry; tfcompat reads RoPE of full-attention layers only"
-            )
-        raw = dict(nested)
-    return raw, key
 
 
 def raw_of(path_or_config):

@@ -315,12 +315,13 @@ def _step_of_positions(state, group, position_ids, text, kind, valid, total, dev
 
     rows = text if text is not None else position_ids[:, 0]  # (1, n) text row, or (3, n) T/H/W rows
     if group is not None:
-        from ..ulysses import gather_from_ranks
+        from .._kernels.collectives import gather
 
         if valid is not None:
             raise UlyssesError(f"tfcompat {state.family}: a Ulysses shard with padding in attention_mask; pack the "
                                f"rows (tfcompat.packing.pack) and slice the packed row")
-        rows = gather_from_ranks(rows.contiguous(), dim=1, **state.split())
+        split = state.split()
+        rows = gather(rows.contiguous(), 1, split.get("group"), None, split.get("context_group"), 1.0)
     if text is None:
         # 3-row mRoPE ids: the temporal row repeats and even goes down inside one sequence (an image's
         # temporal positions can exceed the text after it), so it never marks boundaries. Only a token at

@@ -161,13 +161,13 @@ def attention_forward(self, *args, **kwargs):
 
 def _attend_row(step, q, k, v, scale, window, dropout):
     """Attention over the whole packed row this layer sees (after Ulysses: all of its heads' tokens)."""
-    from ..varlen import _varlen
+    from .._kernels.varlen import _varlen
 
     if step.total != q.shape[0]:
         raise PackingError(f"tfcompat attention: boundaries cover {step.total} tokens but the layer sees "
                            f"{q.shape[0]}; pass boundaries of the whole (gathered) packed row")
     if step.bounds is None:  # a traced step (whole-model torch.compile)
-        from ..varlen import _gpu_call, _sdpa_by_seq, traced_kernel
+        from .._kernels.varlen import _gpu_call, _sdpa_by_seq, traced_kernel
 
         # boundaries and the longest sequence named by the call (the collator's kwargs, packing.packed): the GPU
         # kernel proven before tracing, as the op it is registered as; else one SDPA call under the step's mask
@@ -185,7 +185,7 @@ def _attend_split(state, step, q, k, v, scale, dropout):
     attending the whole row's K/V, then back to this rank's tokens."""
     group = state.group
     if group is not None:
-        from ..ulysses import repeat_kv_for_group, to_heads
+        from .._kernels.collectives import repeat_kv_for_group, to_heads
 
         # the step checked every rank's slice once (equal lengths); no check (host sync) per layer
         q = to_heads(q, group)
@@ -193,7 +193,7 @@ def _attend_split(state, step, q, k, v, scale, dropout):
         v = to_heads(repeat_kv_for_group(v, state.world), group)
     if state.cgroup is not None:
         # context parallel: this rank's chunks (after Ulysses: of its heads) attend the whole row's K/V
-        from .context import attend, pieces
+        from .._kernels.context import attend, pieces
 
         if "context" not in step.memo:  # once per step: Python ints only
             import torch.distributed as dist
@@ -204,7 +204,7 @@ def _attend_split(state, step, q, k, v, scale, dropout):
     else:
         out = _attend_row(step, q, k, v, scale, state.window, dropout)
     if group is not None:
-        from ..ulysses import to_sequence
+        from .._kernels.collectives import to_sequence
 
         out = to_sequence(out, group)
     return out

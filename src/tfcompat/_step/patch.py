@@ -107,7 +107,7 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
         else ({}, "no attention patched")
     _install_all(model, fam, targets, state_of, classes[3], resolutions, windows)
     if dummy_visual and fam.vision:
-        from ..embeds import _tie_function
+        from .dummy import _tie_function
 
         _tie_function()  # built here: a region torch.compile traces reads it and builds no class
     if not any(kind in ("text", "attention", "linear") for _, kind in targets) and not dummy_visual:
@@ -212,7 +212,7 @@ def _targets(model, fam, classes, split, release):
 def _install_all(model, fam, targets, state_of, linear_cls, resolutions, windows):
     """Install every target's forward with its state; a model already patched the same way is left as it is
     (patching twice is a no-op), else every earlier patch below the model is removed first."""
-    from ..config import rope_parameters
+    from .._probe.rope_params import rope_parameters
 
     def same(m, kind):
         st = _patched_as(m)

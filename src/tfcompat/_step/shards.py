@@ -5,9 +5,14 @@ whole row's boundaries. Once per step; the patched text and VL forwards call the
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Optional
+
 from ..errors import PackingError, UlyssesError
 from .boundaries import explicit_cu, positions_of, text_row
 from .scope import first
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _fingerprint(ref, position_ids):
@@ -104,8 +109,6 @@ def _check_ulysses_lengths(local, batch, group, state, ref, position_ids, whole,
 def slice_whole_row(module, state, a, explicit):
     """``slice_inputs=True``: the text model got the whole packed row on every rank (verl's VLM call); embed it
     (if ids) and keep this rank's slice of the embeddings, positions and Qwen3-VL's vision rows."""
-    from ..ulysses import slice_inputs
-
     embeds = a.get("inputs_embeds")
     if embeds is None:
         embeds = module.get_input_embeddings()(a["input_ids"])
@@ -138,7 +141,7 @@ def shard_positions(state, explicit, position_ids, local, device, rows=2):
     (None when the call names no boundaries)."""
     import torch
 
-    from ..ulysses import slice_for_rank
+    from .._kernels.collectives import slice_for_rank
 
     cu = explicit_cu(explicit)
     if cu is None:
@@ -169,3 +172,40 @@ def shard_positions(state, explicit, position_ids, local, device, rows=2):
                            f"begin; slice the positions of the same packing, or pass none (tfcompat builds them "
                            f"from cu_seq_lens_q)")
     return position_ids
+
+
+def slice_inputs(inputs_embeds: torch.Tensor, position_ids: torch.Tensor, *,
+                 visual_pos_masks: Optional[torch.Tensor] = None, deepstack_visual_embeds: Optional[list] = None,
+                 group: Any = None, context_group: Any = None) -> Any:
+    """This rank's share of a packed row, for the text decoder stack of a patched model.
+
+    Args:
+        inputs_embeds: (1, total, hidden), e.g. from :func:`tfcompat.embeds.get_input_embeds` on the full row.
+        position_ids: (1, total), or (3 or 4, 1, total).
+        visual_pos_masks, deepstack_visual_embeds: Qwen3-VL's mask of vision tokens (1, total) and the
+            per-layer features of those tokens (num_visual, hidden); each rank keeps the rows of the
+            vision tokens that fall in its slice.
+
+    Returns:
+        a dict with the same keys, sliced (padded at the end to a multiple of the group size), ready to
+        pass as keyword arguments to the text model. Gradients flow back to the full tensors. With
+        ``context_group`` (instead of ``group``): this rank's two chunks of the context-parallel layout.
+    """
+    import torch
+
+    from .._kernels.collectives import slice_for_rank as _slice
+
+    which = {"group": group, "context_group": context_group}
+    out: dict[str, Any] = {
+        "inputs_embeds": _slice(inputs_embeds, dim=1, **which),
+        "position_ids": _slice(position_ids, dim=position_ids.dim() - 1, **which),
+    }
+    if visual_pos_masks is not None:
+        out["visual_pos_masks"] = _slice(visual_pos_masks, dim=1, pad_value=False, **which)
+        if deepstack_visual_embeds is not None:
+            # the rows of the vision tokens this rank holds, in its order: index them by their place among
+            # the row's vision tokens (each token's rank among them, sliced like the row)
+            order = torch.cumsum(visual_pos_masks.to(torch.int64), dim=1) - 1
+            mine = _slice(order, dim=1, pad_value=-1, **which)[out["visual_pos_masks"]]
+            out["deepstack_visual_embeds"] = [d.index_select(0, mine) for d in deepstack_visual_embeds]
+    return out

@@ -181,11 +181,11 @@ def vl_forward(self, *args, **kwargs):
         check_vision_in_packed_row(self, state.family, a, explicit)
     if pixels and a.get("input_ids") is not None and a.get("mm_token_type_ids") is None and \
             "mm_token_type_ids" in _signature(type(self)).parameters:
-        from ..embeds import mm_token_type_ids
+        from .._probe.tokens import mm_token_type_ids
 
         a["mm_token_type_ids"] = mm_token_type_ids(self.config, a["input_ids"])
         args, kwargs = (), a
-    from ..embeds import dummy_audio_zero, dummy_visual_zero, has_audio_tower, tie_zero
+    from .dummy import dummy_audio_zero, dummy_visual_zero, has_audio_tower, tie_zero
 
     # every tower this batch does not feed runs on a dummy input (an omni thinker's audio tower on a batch
     # with images too): DDP/FSDP need the same parameters to get gradients on every rank
