@@ -13,6 +13,7 @@ import torch
 from packaging.version import Version
 
 from tfcompat._kernels import attention_calls as calls
+from tfcompat._kernels import attention_proof as proofs
 from tfcompat._kernels.varlen import _sdpa_fallback
 from tfcompat._probe import backends as _backends
 
@@ -172,12 +173,12 @@ def test_attention_first_use_proof(dtype):
     def one_sequence(a, b, c, cu, longest):  # broken: the boundaries ignored
         return _by_convention(a, b, c, torch.tensor([0, a.shape[0]]), True, (-1, -1), 0.3)
 
-    assert calls.proven("torch_varlen", by_convention, reference, q, k, v, True, 0.3, None)
-    assert calls.proven("torch_varlen", one_sequence, reference, q, k, v, True, 0.3, None)  # proven: not re-run
+    assert proofs.proven("torch_varlen", by_convention, reference, q, k, v, True, 0.3, None)
+    assert proofs.proven("torch_varlen", one_sequence, reference, q, k, v, True, 0.3, None)  # proven: not re-run
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        assert not calls.proven("flash_attn", one_sequence, reference, q, k, v, True, 0.3, None)
-        assert not calls.proven("flash_attn", one_sequence, reference, q, k, v, True, 0.3, None)
+        assert not proofs.proven("flash_attn", one_sequence, reference, q, k, v, True, 0.3, None)
+        assert not proofs.proven("flash_attn", one_sequence, reference, q, k, v, True, 0.3, None)
     assert len([w for w in seen if "flash_attn varlen kernel failed its first-use proof" in str(w.message)]) == 1
     kinds = {(r["kernel"], r["ok"]) for r in table.proven()}
     assert kinds == {("torch_varlen", True), ("flash_attn", False)}
@@ -276,7 +277,7 @@ def test_heads_the_kernels_do_not_take_are_not_a_failed_proof():
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        assert calls.proven("flash_attn", kernel, reference, q, k, v4, True, 0.3, None)
+        assert proofs.proven("flash_attn", kernel, reference, q, k, v4, True, 0.3, None)
     assert [r["ok"] for r in table.proven()] == [True]
     tfcompat.clear_cache()
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tfcompat
-from tfcompat._kernels import attention_calls as calls
+from tfcompat._kernels import attention_proof as proofs
 from tfcompat._kernels import table
 from tfcompat._kernels.varlen import _sdpa_fallback
 from tfcompat.errors import TfcompatError
@@ -69,7 +69,7 @@ class _Layer(torch.nn.Module):
         qkv = x @ self.qkv
         q, k, v = qkv.split((HEADS * DIM, KV * DIM, KV * DIM), -1)
         q, k, v = q.view(-1, HEADS, DIM), k.view(-1, KV, DIM), v.view(-1, KV, DIM)
-        if calls.proven("torch_varlen", _stand_in, _reference, q, k, v, True, SCALE, None):
+        if proofs.proven("torch_varlen", _stand_in, _reference, q, k, v, True, SCALE, None):
             self.used.append("kernel")
             o = _stand_in(q, k, v, torch.tensor(BOUNDS, dtype=torch.int32), 7)
         else:
@@ -157,10 +157,10 @@ def test_a_failure_under_no_grad_is_proven_again_by_a_training_call():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         with torch.no_grad():
-            assert not calls.proven("torch_varlen", first_call_wrong, _reference, q, k, v, True, SCALE, None)
-            assert not calls.proven("torch_varlen", first_call_wrong, _reference, q, k, v, True, SCALE, None)
+            assert not proofs.proven("torch_varlen", first_call_wrong, _reference, q, k, v, True, SCALE, None)
+            assert not proofs.proven("torch_varlen", first_call_wrong, _reference, q, k, v, True, SCALE, None)
     assert flaky["calls"] == 1  # recorded for the no-grad context: not re-run there
-    assert calls.proven("torch_varlen", first_call_wrong, _reference, q, k, v, True, SCALE, None)
+    assert proofs.proven("torch_varlen", first_call_wrong, _reference, q, k, v, True, SCALE, None)
     assert [r["ok"] for r in table.proven()] == [True]
     del layer
     tfcompat.clear_cache()
@@ -183,12 +183,12 @@ def test_a_blocked_proof_records_nothing(monkeypatch):
         return (torch.ones(2),)
 
     monkeypatch.setattr(table, "_capturing", lambda device: True)
-    assert not calls.proven("torch_varlen", _stand_in, _reference, q, k, v, True, SCALE, None)
+    assert not proofs.proven("torch_varlen", _stand_in, _reference, q, k, v, True, SCALE, None)
     with pytest.raises(TfcompatError, match="Warm up first"):
         table.first_use("rope", "triton", "cuda:0", ("k",), run, run, True)
     assert table.proven() == []
     monkeypatch.setattr(table, "_capturing", lambda device: False)
-    assert calls.proven("torch_varlen", _stand_in, _reference, q, k, v, True, SCALE, None)
+    assert proofs.proven("torch_varlen", _stand_in, _reference, q, k, v, True, SCALE, None)
     tfcompat.clear_cache()
 
 
@@ -317,11 +317,11 @@ def test_attention_proof_fails_a_kernel_wrong_in_one_part(case):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        assert not calls.proven("torch_varlen", kernel, reference, q, k, v, True, SCALE, window)
+        assert not proofs.proven("torch_varlen", kernel, reference, q, k, v, True, SCALE, window)
     def reference8(a, b, c, bounds):
         return _sdpa_fallback(a, b, c, bounds, SCALE, True, 8, 0.0)
 
-    assert calls.proven("flash_attn", _window_ignored_from_32(8), reference8, q, k, v, True, SCALE, 8)
+    assert proofs.proven("flash_attn", _window_ignored_from_32(8), reference8, q, k, v, True, SCALE, 8)
     tfcompat.clear_cache()
 
 
@@ -330,7 +330,7 @@ def test_an_empty_call_proves_nothing():
     path and records nothing."""
     tfcompat.clear_cache()
     q, k, v = torch.zeros(0, HEADS, DIM), torch.zeros(0, KV, DIM), torch.zeros(0, KV, DIM)
-    assert not calls.proven("torch_varlen", _stand_in, _reference, q, k, v, True, SCALE, None)
+    assert not proofs.proven("torch_varlen", _stand_in, _reference, q, k, v, True, SCALE, None)
     assert table.proven() == []
 
 

@@ -182,3 +182,93 @@ def test_vendor_makes_the_parent_packages_a_wheel_needs(tmp_path):
     stamp = zipfile.ZipFile(tmp_path / "dist" / out.stdout.strip().splitlines()[-1]).read(
         "myproj/_vendor/tfcompat/_provenance.py").decode()
     assert "\nSTAMP = (" in stamp and "'vendored')" in stamp, stamp
+
+
+def _vendor_layer(tmp_path, layer):
+    dest = tmp_path / "proj" / "_vendor" / "tfcompat"
+    out = subprocess.run([sys.executable, "-m", "tfcompat", "vendor", str(dest), "--only", layer], capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), timeout=120)
+    assert out.returncode == 0, out.stderr
+    (tmp_path / "proj" / "__init__.py").write_text("")
+    return dest
+
+
+def _in_copy(tmp_path, code):
+    """Run ``code`` in a fresh interpreter that cannot import the original package (from tmp_path, no PYTHONPATH)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = ("import sys\n" + code + "\nleaked = [m for m in sys.modules if m.split('.')[0] == 'tfcompat']"
+            "\nassert not leaked, leaked\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return out.stdout
+
+
+def test_the_rope_layer_applies_rope_from_a_config(tmp_path):
+    """`vendor --only rope`: the copy holds tfcompat.rope and what it imports (no patch, no tools, no testing), and
+    apply_rope(config=...) on an mRoPE family gives the original package's numbers, bit for bit."""
+    import torch
+
+    from tfcompat.rope import apply_rope
+    from tfcompat.testing import tiny_model
+
+    dest = _vendor_layer(tmp_path, "rope")
+    assert not (dest / "_tools").exists() and not (dest / "testing.py").exists() and not (dest / "_step" /
+                                                                                          "patch.py").exists()
+    model = tiny_model("qwen2_vl")
+    model.config.save_pretrained(tmp_path / "cfg")
+    q, k = torch.randn(1, 4, 5, 32), torch.randn(1, 2, 5, 32)
+    rotary = getattr(model.model, "language_model", model.model).rotary_emb
+    cos, sin = rotary(q, torch.arange(5).view(1, 1, 5).expand(3, 1, 5))  # mRoPE: 3 position rows
+    torch.save((q, k, cos, sin), tmp_path / "in.pt")
+    _in_copy(tmp_path, (
+        "import torch, transformers\n"
+        "from proj._vendor.tfcompat.rope import apply_rope\n"
+        "import proj._vendor.tfcompat as t\n"
+        "config = transformers.AutoConfig.from_pretrained('cfg')\n"
+        "q, k, cos, sin = torch.load('in.pt')\n"
+        "torch.save(apply_rope(q, k, cos, sin, config=config), 'out.pt')\n"
+        "try:\n    t.patch\nexcept AttributeError as exc:\n    assert '--only rope' in str(exc), exc\n"
+        "else:\n    raise AssertionError('the rope layer has no patch')\n"))
+    got = torch.load(tmp_path / "out.pt")
+    want = apply_rope(q, k, cos, sin, config=model.config)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_the_config_layer_reads_rope_parameters(tmp_path):
+    """`vendor --only config`: rope_parameters from the copy equals the original's, on a VL config."""
+    from tfcompat.config import rope_parameters
+    from tfcompat.testing import tiny_config
+
+    _vendor_layer(tmp_path, "config")
+    tiny_config("qwen2_5_vl").save_pretrained(tmp_path / "cfg")
+    out = _in_copy(tmp_path, (
+        "import transformers\n"
+        "from proj._vendor.tfcompat.config import rope_parameters\n"
+        "print(repr(rope_parameters(transformers.AutoConfig.from_pretrained('cfg'))))\n"))
+    import transformers
+
+    assert out.strip() == repr(rope_parameters(transformers.AutoConfig.from_pretrained(tmp_path / "cfg")))
+
+
+@BOUNDARY_ONLY
+def test_the_patch_layer_trains_a_packed_row(tmp_path):
+    """`vendor --only patch`: tfcompat.patch and packing from the copy; a packed row equals the padded batch on a
+    model built by transformers itself (the copy holds no tfcompat.testing)."""
+    from tfcompat.testing import tiny_config
+
+    dest = _vendor_layer(tmp_path, "patch")
+    assert not (dest / "testing.py").exists() and not (dest / "_tools").exists()
+    tiny_config("qwen2").save_pretrained(tmp_path / "cfg")
+    _in_copy(tmp_path, (
+        "import torch, transformers\n"
+        "from proj._vendor import tfcompat as t\n"
+        "from proj._vendor.tfcompat.packing import pack\n"
+        "torch.manual_seed(0)\n"
+        "model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained('cfg'))\n"
+        "ids = torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]]); mask = (ids != 0).long()\n"
+        "want = model(input_ids=ids, attention_mask=mask).logits[mask.bool()]\n"
+        "t.patch(model)\n"
+        "pk = pack(ids, mask)\n"
+        "got = model(input_ids=pk.input_ids, position_ids=pk.position_ids).logits[0]\n"
+        "assert (got - want).abs().max() < 1e-4, (got - want).abs().max()\n"))

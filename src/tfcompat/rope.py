@@ -39,8 +39,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from ._kernels.choice import impl_for
 from ._probe import resolve as _resolve
-from ._probe.backends import impl_for
 from ._probe.families import family as _family
 from ._step.rotation import IMPLS, Rotation, chosen_impl, upstream
 from .errors import ConfigError, RopeShapeError
@@ -70,7 +70,7 @@ def _section(fam, config, mrope_section, plan, cos):
             raise RopeShapeError(f"apply_rope for {fam.name}: mrope_section must be integers, got "
                                  f"{mrope_section!r}") from None
     elif config is not None:
-        from .config import rope_parameters
+        from ._probe.rope_params import rope_parameters
 
         section = rope_parameters(config, model_type=fam.name).mrope_section
     else:

@@ -11,6 +11,7 @@ import functools
 import torch
 
 from ..errors import TfcompatError
+from . import attention_proof as proofs
 from . import choice as _choice
 from .cu import check_cu_seqlens
 
@@ -50,12 +51,10 @@ def _varlen(q, k, v, cu_seqlens, bounds, max_seqlen, *, causal, softmax_scale, w
         # int computed once per step. First use in this process proves the kernel against the SDPA path on a
         # piece of this call's tensors (_prove_gpu); after it, one set look-up a call. A kernel that fails the
         # proof is not used (one warning).
-        from . import attention_calls as calls
-
         if torch.compiler.is_compiling():  # a compiled layer: the kernel proven before tracing, as its op
             ready = _proven_before_tracing(kind, q, k, causal, window)  # kind and shapes checked above
         else:
-            ready = calls.passed(kind, q, k, causal, window) or _prove_gpu(kind, q, k, v, causal, softmax_scale,
+            ready = proofs.passed(kind, q, k, causal, window) or _prove_gpu(kind, q, k, v, causal, softmax_scale,
                                                                            window)
         if ready:
             return _gpu_call(kind, q, k, v, cu_seqlens.to(device=q.device, dtype=torch.int32), max_seqlen, causal,
@@ -86,10 +85,9 @@ def traced_kernel(q, k, v, causal, window, dropout_p):
 def _proven_before_tracing(kind, q, k, causal, window):
     """Whether ``kind`` passed its proof for this layout before the graph was traced (a constant of the graph);
     if not, one warning saying how to warm up."""
-    from . import attention_calls as calls
     from . import table
 
-    if calls.passed_before_tracing(kind, q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], causal, window):
+    if proofs.passed_before_tracing(kind, q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], causal, window):
         return True
     table.say_traced(f"tfcompat: torch.compile traced a packed attention call before the {kind} kernel proved "
                      f"itself in this process, so the compiled graph runs the SDPA path; call "
@@ -157,10 +155,8 @@ _torch_takes_gqa._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _prove_gpu(kind, q, k, v, causal, scale, window):
-    """The first-use proof of ``kind`` for this call's layout (``attention_calls.proven``), without dropout."""
-    from . import attention_calls as calls
-
-    return calls.proven(kind, lambda a, b, c, cu, n: _gpu_call(kind, a, b, c, cu, n, causal, scale, window, 0.0),
+    """The first-use proof of ``kind`` for this call's layout (``attention_proof.proven``), without dropout."""
+    return proofs.proven(kind, lambda a, b, c, cu, n: _gpu_call(kind, a, b, c, cu, n, causal, scale, window, 0.0),
                         lambda a, b, c, piece: _sdpa_fallback(a, b, c, piece, scale, causal, window, 0.0),
                         q, k, v, causal, scale, window)
 

@@ -32,7 +32,7 @@ def _splits_frames(fn, fam):
 
 @functools.lru_cache(maxsize=None)
 def _splits_frames_of(function):
-    from .resolvers import _probe, splits_video_frames
+    from .resolve import _probe, splits_video_frames
     from .source import _Imported
 
     found = _Imported.definition(getattr(function, "__qualname__", "get_rope_index"), function)

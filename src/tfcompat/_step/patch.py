@@ -88,7 +88,7 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
     """The implementation of :func:`tfcompat.patch` (documented there)."""
     fam = _family_of_model(model)
     config = getattr(model, "config", None)
-    from .._probe.drift import text_config
+    from .._probe.families import text_config
 
     resolutions = tuple(_resolve.resolve(kind, fam.name) for kind in ("rope.init", "rope.apply", "attention.signature"))
     plan = resolutions[2].plan
@@ -158,7 +158,7 @@ def _group_sizes(fam, config, linear_cls, ulysses_group, context_group, slice_in
     if ulysses_group is not None:
         import torch.distributed as dist
 
-        from .._probe.drift import text_config
+        from .._probe.families import text_config
 
         world = dist.get_world_size(ulysses_group)
         n_heads = text_config(config).num_attention_heads

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import os
 
+from .._kernels import choice as _backends  # the kernel choice (re-exported by _probe.backends)
 from .._kernels.table import SAID as _SAID  # noqa: F401  (the said messages: tests clear some)
 from .._kernels.table import say_once as _say_once
 from .._kernels.table import say_traced as _say_traced
-from .._probe import backends as _backends
 from .._probe.families import family as family_of
 from .._probe.resolve import resolve
 from ..errors import ConfigError, RopeShapeError

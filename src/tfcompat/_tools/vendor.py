@@ -1,6 +1,9 @@
 """``tfcompat vendor DEST``: copy the package into a project (relative imports throughout, so the copy is
-importable under any parent package), stamp it, and make its parent folders packages."""
+importable under any parent package), stamp it, and make its parent folders packages. ``--only LAYER`` copies one
+layer: the modules its public entries import, computed from the module graph (imports inside functions included),
+so a partial copy imports and runs what it serves."""
 
+import ast
 import datetime
 import os
 import shutil
@@ -19,8 +22,10 @@ def vendor(args):
     if refused:
         print(f"{_PROG} vendor: {refused}", file=sys.stderr)
         return 2
-    skip = os.path.join(source, "_tools") if args.no_tools else None
-    written, refused = _copy(source, dest, skip)
+    only = getattr(args, "only", None)
+    skip = os.path.join(source, "_tools") if args.no_tools or only else None
+    keep = layer_files(source, only) if only else None
+    written, refused = _copy(source, dest, skip, keep)
     if refused:
         print(f"{_PROG} vendor: {refused}", file=sys.stderr)
         return 2
@@ -29,14 +34,18 @@ def vendor(args):
     commit = _provenance.provenance()["commit"]
     # the stamp a wheel of the vendoring project carries (VENDORED is not a module, so a wheel leaves it out)
     with open(os.path.join(dest, "_provenance.py"), "w") as fh:
-        fh.write(_provenance.stamp_text(commit, stamp, "vendored"))
+        fh.write(_provenance.stamp_text(commit, stamp, "vendored" if not only else f"vendored --only {only}"))
+    if only and "__init__.py" not in keep:
+        with open(os.path.join(dest, "__init__.py"), "w") as fh:
+            fh.write(_layer_init(only))
     with open(os.path.join(dest, _MARKER), "w") as fh:  # never a path: this file lands in other repositories
         fh.write(f"tfcompat {__version__}\nvendored {stamp}\ncommit {commit}\n"
-                 f"{'without its tools (--no-tools)' if skip else 'with its tools'}\n"
+                 f"{_what(only, skip)}\n"
                  f"Import it relatively (from ._vendor import tfcompat). Do not edit it: to update it, run "
                  f"`tfcompat vendor <this folder>` from a newer tfcompat checkout (it replaces this copy).\n")
     made = _parent_packages(dest)
-    print(f"copied tfcompat {__version__} ({len(written)} files{', no tools' if skip else ''}) into {dest}; "
+    print(f"copied tfcompat {__version__} ({len(written)} files{', layer ' + only if only else ''}"
+          f"{', no tools' if skip and not only else ''}) into {dest}; "
           f"wrote {os.path.join(dest, _MARKER)}")
     for path in stale:
         print(f"removed {path} (the earlier copy's, not in this one)")
@@ -62,8 +71,90 @@ def _refusal(args, source, dest):
     return None, earlier
 
 
-def _copy(source, dest, skip):
-    """Copy the package's files (not ``skip``, caches, links) into DEST: (paths written, why it stopped or None)."""
+#: each layer's public entries (``--only``): its copy holds them and every module they import
+LAYERS = {
+    "rope": ("rope",),
+    "config": ("config",),
+    "patch": ("", "packing", "varlen", "ulysses", "embeds", "rope", "config"),
+}
+
+
+def _what(only, skip):
+    if only:
+        entries = ", ".join(m or "the package root" for m in LAYERS[only])
+        return f"one layer (--only {only}): {entries} and what they import"
+    return "without its tools (--no-tools)" if skip else "with its tools"
+
+
+def module_graph(source):
+    """Each module of the package at ``source`` (dotted, relative: "" the package, "_step.patch") and the modules it
+    imports relatively, anywhere in its file (inside functions too), read with ast."""
+    graph = {}
+    for folder, dirs, files in os.walk(source):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for file in files:
+            if not file.endswith(".py"):
+                continue
+            path = os.path.join(folder, file)
+            parts = os.path.relpath(path, source)[:-3].split(os.sep)
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            package = name if file == "__init__.py" else name.rpartition(".")[0]
+            deps = set()
+            with open(path) as fh:
+                tree = ast.parse(fh.read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.level:
+                    base = package.split(".") if package else []
+                    base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+                    target = ".".join(base + ([node.module] if node.module else []))
+                    for alias in node.names:
+                        sub = f"{target}.{alias.name}".lstrip(".")
+                        deps.add(sub if os.path.exists(os.path.join(source, *sub.split(".")) + ".py") else target)
+            graph[name] = deps - {name}
+    return {k: {d for d in v if d in graph} for k, v in graph.items()}
+
+
+def layer_files(source, layer):
+    """The files (relative to the package) of a layer's copy: its entries' import closure, the ``__init__.py`` of
+    every subpackage it reaches, ``py.typed`` and ``_provenance.py``. The package root's ``__init__.py`` only where
+    the layer serves it (patch); the others get one written for them."""
+    graph = module_graph(source)
+    seen, todo = set(), list(LAYERS[layer])
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(graph[m])
+    files = {"py.typed", "_provenance.py"}
+    for m in seen:
+        parts = m.split(".") if m else []
+        if os.path.isdir(os.path.join(source, *parts)) and parts:
+            files.add(os.path.join(*parts, "__init__.py"))
+        elif parts:
+            files.add(os.path.join(*parts) + ".py")
+        else:
+            files.add("__init__.py")
+        for i in range(1, len(parts)):  # the subpackages above it
+            files.add(os.path.join(*parts[:i], "__init__.py"))
+    return files
+
+
+def _layer_init(layer):
+    """The package root of a one-layer copy: the version, and a clear refusal for what the layer does not hold."""
+    entries = ", ".join(f"tfcompat.{m}" for m in LAYERS[layer] if m)
+    why = (f"this copy was vendored with `tfcompat vendor --only {layer}`, which holds {entries}; vendor the whole "
+           f"package (or --only patch) for the rest")
+    return (f'"""tfcompat {__version__}, one layer (`tfcompat vendor --only {layer}`): {entries} and what they\n'
+            f'import. For tfcompat.patch and the rest, vendor the whole package (or --only patch)."""\n\n'
+            f'__version__ = "{__version__}"\n\n\n'
+            f"def __getattr__(name):\n"
+            f"    raise AttributeError(f\"module {{__name__!r}} has no attribute {{name!r}}: \"\n"
+            f"                         {why!r})\n")
+
+
+def _copy(source, dest, skip, keep=None):
+    """Copy the package's files (not ``skip``, caches, links; with ``keep``, only those relative paths) into DEST:
+    (paths written, why it stopped or None)."""
     written = []
     for root, dirs, files in os.walk(source, followlinks=False):
         dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not os.path.islink(os.path.join(root, d))
@@ -72,6 +163,8 @@ def _copy(source, dest, skip):
         for name in sorted(files):
             src = os.path.join(root, name)
             if os.path.islink(src) or name.endswith((".pyc", ".pyo")):
+                continue
+            if keep is not None and os.path.relpath(src, source) not in keep:
                 continue
             target = os.path.join(target_dir, name)
             if not _inside(dest, target):

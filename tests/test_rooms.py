@@ -1,0 +1,120 @@
+"""The package's rooms by lifetime, read from its files with ``ast`` (nothing imported): each room imports only
+itself and the rooms below it, counting module-level imports and imports inside functions alike, in the order
+
+    base (errors, version, _provenance) < _kernels < _probe < _step < the public face < _tools
+
+and the longest chain of imports (the floors) is what docs/design.md states, at most 7 for the package without the
+tools, counted both ways. No cycle either way."""
+
+import ast
+import functools
+import pathlib
+import re
+
+import pytest
+
+import tfcompat
+
+ROOT = pathlib.Path(tfcompat.__file__).parent
+ORDER = ("base", "_kernels", "_probe", "_step", "public", "_tools")
+BASE = {"errors", "version", "_provenance"}
+DESIGN = pathlib.Path(__file__).resolve().parents[1] / "docs" / "design.md"
+
+
+def _module_graph(function_level=True):
+    """Each module's relative imports: at module level only (``function_level=False``: the body, with its ``if`` and
+    ``try`` blocks), or anywhere in the file, inside functions too."""
+    graph = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text())
+        nodes = ast.walk(tree) if function_level else [
+            n for top in tree.body if not isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            for n in ast.walk(top)]
+        deps = set()
+        for node in nodes:
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.split(".") if package else []
+                base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+                target = ".".join(base + ([node.module] if node.module else []))
+                for alias in node.names:
+                    sub = f"{target}.{alias.name}".lstrip(".")
+                    deps.add(sub if (ROOT / pathlib.Path(*sub.split("."))).with_suffix(".py").exists() else target)
+        graph[name] = deps - {name}
+    return {k: {d for d in v if d in graph} for k, v in graph.items()}
+
+
+def room(module):
+    head = module.split(".")[0]
+    if module in BASE:
+        return "base"
+    if head in ("_kernels", "_probe", "_step", "_tools") or module == "__main__":
+        return "_tools" if module == "__main__" else head
+    return "public"
+
+
+def floors(graph, tools):
+    """The longest chain of imports (in modules, the importing one and ``errors`` included) above each module."""
+    @functools.lru_cache(maxsize=None)
+    def floor(m):
+        return 1 + max((floor(d) for d in graph[m] if tools or room(d) != "_tools"), default=0)
+
+    return {m: floor(m) for m in graph if tools or room(m) != "_tools"}
+
+
+@pytest.mark.parametrize("function_level", [False, True], ids=["module-level", "function-level"])
+def test_rooms_import_only_downward(function_level):
+    graph = _module_graph(function_level)
+    up = sorted(f"{m or 'tfcompat'} ({room(m)}) -> {d or 'tfcompat'} ({room(d)})" for m, deps in graph.items()
+                for d in deps if ORDER.index(room(d)) > ORDER.index(room(m)))
+    assert not up, up
+
+
+def test_the_package_imports_only_downward():
+    """No import cycle between the package's modules, counting imports inside functions too (a cycle there
+    still ties two rooms together): the module graph read with ast is acyclic."""
+    graph = _module_graph()
+    state, cycle = {}, []
+
+    def visit(node, stack):
+        state[node] = "open"
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "open":
+                cycle.extend(stack[stack.index(dep):] + [dep] if dep in stack else [node, dep])
+                return True
+            if dep not in state and visit(dep, stack + [dep]):
+                return True
+        state[node] = "done"
+        return False
+
+    for module in sorted(graph):
+        if module not in state and visit(module, [module]):
+            break
+    assert not cycle, f"import cycle: {' -> '.join(m or 'tfcompat' for m in cycle)}"
+
+
+def test_room_rules():
+    """Nothing outside the tools imports them (``python -m tfcompat`` names them only to say a copy lacks them), so
+    ``tfcompat vendor --no-tools`` gives a copy that works; nothing below the public face imports ``testing``; the
+    kernels import only the base and each other (pure tensor code)."""
+    graph = _module_graph()
+    bad = [f"{m} -> {d}" for m, deps in graph.items() for d in deps
+           if (room(d) == "_tools" and room(m) != "_tools")
+           or (d == "testing" and ORDER.index(room(m)) < ORDER.index("public"))
+           or (room(m) == "_kernels" and room(d) not in ("base", "_kernels"))]
+    assert not bad, bad
+
+
+def test_floors_are_what_the_design_states():
+    """docs/design.md states the floors; the package's stay at most 7 counted either way."""
+    text = " ".join(DESIGN.read_text().split())
+    stated = re.search(r"Import floors[^:]*: (\d+) counting module-level imports and (\d+) with the ones inside "
+                       r"functions, for the package; (\d+) and (\d+) with the tools", text)
+    assert stated, "docs/design.md no longer states the floors in its sentence"
+    module, function, module_tools, function_tools = map(int, stated.groups())
+    got = (max(floors(_module_graph(False), False).values()), max(floors(_module_graph(True), False).values()),
+           max(floors(_module_graph(False), True).values()), max(floors(_module_graph(True), True).values()))
+    assert got == (module, function, module_tools, function_tools), got
+    assert module <= 7 and function <= 7
