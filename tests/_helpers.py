@@ -181,3 +181,38 @@ def verl_ulysses():
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     return module
+
+
+def calls_per_layer(build, call, skip=frozenset()):
+    """tfcompat's own Python calls (and inspect's) per decoder layer of one forward: ``build(layers)`` gives a patched
+    model, ``call`` its keyword arguments; counted with sys.setprofile over a forward at 2 and 6 layers (after a
+    first forward that probes and imports), the difference / 4. ``skip``: (file, function name) pairs not counted
+    (the Triton kernels' bodies, which Triton's interpreter runs as Python where a GPU runs them compiled)."""
+    import sys
+
+    import tfcompat
+
+    package = os.path.dirname(tfcompat.__file__) + os.sep
+    counts = []
+    for layers in (2, 6):
+        model = build(layers)
+        with torch.no_grad():
+            model(**call)  # first use: probes, imports, first-use proofs
+        seen = {"tfcompat": 0, "inspect": 0}
+
+        def profile(frame, event, arg, seen=seen):
+            if event == "call":
+                code = frame.f_code
+                if code.co_filename.startswith(package) and (code.co_filename, code.co_name) not in skip:
+                    seen["tfcompat"] += 1
+                elif code.co_filename.endswith(os.sep + "inspect.py"):
+                    seen["inspect"] += 1
+
+        with torch.no_grad():
+            sys.setprofile(profile)
+            try:
+                model(**call)
+            finally:
+                sys.setprofile(None)
+        counts.append(seen)
+    return {k: (counts[1][k] - counts[0][k]) / 4 for k in counts[0]}, counts

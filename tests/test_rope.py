@@ -471,10 +471,10 @@ def _broken_launch(rope_triton, monkeypatch, how):
     """A deliberately broken kernel: the real launch, then its output corrupted; or a launch that fails to compile."""
     real = rope_triton._launch
 
-    def launch(q, k, qo, ko, cos, sin, layout, seq_dim, inverse):
+    def launch(q, k, qo, ko, cos, sin, layout, seq_dim, inverse, plans=None):
         if how == "compile":
             raise RuntimeError("PTXASError: ptxas failed (a deliberately broken kernel)")
-        real(q, k, qo, ko, cos, sin, layout, seq_dim, inverse)
+        real(q, k, qo, ko, cos, sin, layout, seq_dim, inverse, plans)
         with torch.no_grad():
             qo.add_(0.25)
 
@@ -656,3 +656,39 @@ def test_fused_qkv_slices_are_checked_on_their_layout_alone():
         q, k, v = qkv[:, :, :28], qkv[:, :, 28:32], qkv[:, :, 32:]
         assert not _share_elements(q, k) and not _share_elements(k, v)
         assert _share_elements(qkv[:, :, :29], k)
+
+
+@pytest.mark.skipif(not triton_ready(), reason="needs triton in its interpreter (TRITON_INTERPRET=1)")
+def test_rope_triton_per_layer_calls(monkeypatch):
+    """The patched model with the Triton RoPE kernel (TFCOMPAT_ROPE_IMPL=triton, in Triton's interpreter): the
+    step's rotation keeps the launch plan the first layer made, so a layer makes at most 12 calls of tfcompat's
+    host code (before: 24, the plan re-made per layer). The kernel's own body, which the interpreter runs as Python
+    where a GPU runs it compiled, is not host code and is not counted."""
+    import tfcompat
+    from tfcompat._kernels import rope_triton
+    from tfcompat.packing import pack
+    from tfcompat.testing import tiny_model, tiny_sequence
+
+    from _helpers import calls_per_layer
+
+    monkeypatch.setenv("TFCOMPAT_ROPE_IMPL", "triton")
+    kernel_bodies = {(f.fn.__code__.co_filename, f.fn.__name__) for f in vars(rope_triton).values()
+                     if hasattr(f, "fn") and hasattr(f, "run")}  # @triton.jit functions
+    assert len(kernel_bodies) >= 4, "the Triton kernels are not found as jit functions"
+    rows = [tiny_sequence("qwen2", text=7), tiny_sequence("qwen2", text=4)]
+    ids = torch.zeros(2, 7, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)], mask[i, :len(row)] = torch.tensor(row), 1
+    pk = pack(ids, mask)
+    before = rope_triton.launches
+
+    def build(layers):
+        model = tiny_model("qwen2", num_hidden_layers=layers)
+        tfcompat.patch(model)
+        return model
+
+    per_layer, counts = calls_per_layer(build, dict(input_ids=pk.input_ids, position_ids=pk.position_ids,
+                                                    use_cache=False), kernel_bodies)
+    assert rope_triton.launches > before, "the Triton kernel did not run"
+    assert per_layer["tfcompat"] <= 12, f"{per_layer['tfcompat']} tfcompat calls per layer ({counts})"

@@ -19,6 +19,7 @@ from tfcompat.packing import pack, unpack
 
 from _helpers import (
     BOUNDARY_ONLY,
+    calls_per_layer,
     close_to_model,
     grads_by_name,
     linear_attention,
@@ -757,43 +758,74 @@ def test_vision_check_syncs_once_per_step(name):
                          _first_everywhere(VISION))
 def test_per_layer_calls(name):
     """Per layer of a packed step, tfcompat's Python runs at most 12 function calls and no inspect call: the
-    layers read their arguments, the step and what patch time bound (the rotation is prepared once per step).
-    Counted with sys.setprofile over one forward at 2 and 6 layers; the difference / 4 is per layer."""
-    import os
-    import sys
+    layers read their arguments, the step and what patch time bound (the rotation and the attention call are
+    bound once per step). Counted with sys.setprofile over one forward at 2 and 6 layers."""
+    per_layer, counts = _per_layer(name)
+    limit = 12 if not linear_attention(name) else 12 + 6  # a linear mixer's layer: one call per packed sequence
+    assert per_layer["tfcompat"] <= limit, f"{name}: {per_layer['tfcompat']} tfcompat calls per layer ({counts})"
+    assert per_layer["inspect"] == 0, f"{name}: {per_layer['inspect']} inspect calls per layer ({counts})"
 
-    package = os.path.dirname(tfcompat.__file__) + os.sep
+
+def _per_layer(name):
     ids, mask, _ = _batch(name, False)
     pk = pack(ids, mask, vision=SPECS[name].vision)
-    counts = []
-    for layers in (2, 6):
+
+    def build(layers):
         kw = {"num_hidden_layers": layers}
         if linear_attention(name):
             kw["layer_types"] = ["linear_attention", "full_attention"] * (layers // 2)
         model = tiny_model(name, **kw)
         tfcompat.patch(model)
-        call = dict(input_ids=pk.input_ids, position_ids=pk.position_ids, cu_seq_lens_q=pk.cu_seqlens,
-                    max_length_q=pk.max_seqlen, use_cache=False)
-        with torch.no_grad():
-            model(**call)  # first use: probes and imports
-        seen = {"tfcompat": 0, "inspect": 0}
+        return model
 
-        def profile(frame, event, arg, seen=seen):
-            if event == "call":
-                path = frame.f_code.co_filename
-                if path.startswith(package):
-                    seen["tfcompat"] += 1
-                elif path.endswith(os.sep + "inspect.py"):
-                    seen["inspect"] += 1
+    return calls_per_layer(build, dict(input_ids=pk.input_ids, position_ids=pk.position_ids,
+                                       cu_seq_lens_q=pk.cu_seqlens, max_length_q=pk.max_seqlen, use_cache=False))
 
-        with torch.no_grad():
-            sys.setprofile(profile)
-            try:
-                model(**call)
-            finally:
-                sys.setprofile(None)
-        counts.append(dict(seen))
-    per_layer = {k: (counts[1][k] - counts[0][k]) / 4 for k in counts[0]}
-    limit = 12 if not linear_attention(name) else 12 + 6  # a linear mixer's layer: one call per packed sequence
-    assert per_layer["tfcompat"] <= limit, f"{name}: {per_layer['tfcompat']} tfcompat calls per layer ({counts})"
-    assert per_layer["inspect"] == 0, f"{name}: {per_layer['inspect']} inspect calls per layer ({counts})"
+
+def _stand_in_flash(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                    softmax_scale=None, causal=False, window_size=(-1, -1), deterministic=False, **kwargs):
+    """flash-attn 2's flash_attn_varlen_func as called (the same positional and keyword names), computed per
+    sequence with SDPA: a stand-in registered where tfcompat looks the real one up (flash-attn needs CUDA)."""
+    outs = []
+    bounds = cu_seqlens_q.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=causal, scale=softmax_scale, enable_gqa=True)[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _stand_in_torch(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                    enable_gqa=False, **kwargs):
+    """torch's varlen_attn as called (causal: window_size (-1, 0)), per sequence with SDPA."""
+    return _stand_in_flash(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, softmax_scale=scale,
+                           causal=window_size == (-1, 0))
+
+
+@pytest.mark.parametrize("kind", ["flash_attn", "torch_varlen"])
+def test_per_layer_calls_on_the_gpu_kernels(kind, monkeypatch):
+    """The GPU kernels' path (flash-attn's varlen function, torch's varlen_attn) through the patched model, with
+    stand-ins registered where tfcompat looks the real ones up and the kernel chosen for these CPU tensors: the
+    step binds the proven kernel once, so a layer makes no more calls than on the SDPA path (at most 12; before
+    the step bound its call: 15 and 16)."""
+    from tfcompat._kernels import table
+    from tfcompat._kernels import varlen as kernels
+
+    seen = []
+
+    def chosen(q, dropout_p):
+        seen.append(q.shape)
+        return kind
+
+    monkeypatch.setattr(kernels, "_kind", chosen)
+    monkeypatch.setattr(kernels, "_FLASH_VARLEN", _stand_in_flash)
+    monkeypatch.setattr(kernels, "_torch_varlen", lambda: _stand_in_torch)
+    monkeypatch.setattr(kernels, "_torch_takes_gqa", lambda: True)
+    try:
+        per_layer, counts = _per_layer("qwen2")
+        proven = [r for r in table.proven() if r.get("kernel") == kind]
+    finally:
+        tfcompat.clear_cache()  # the stand-in's proof is not a CPU kernel's
+    assert seen and proven and all(r["ok"] for r in proven), proven  # the stand-in served, proven on first use
+    assert per_layer["tfcompat"] <= 12, f"{kind}: {per_layer['tfcompat']} tfcompat calls per layer ({counts})"
+    assert per_layer["inspect"] == 0

@@ -272,10 +272,25 @@ def launch_context(device):
     return contextlib.nullcontext()
 
 
-def _launch(q, k, qo, ko, cos, sin, layout, seq_dim, inverse):
-    """One launch over q's rows and k's (k=None: q's only), on q's device and that device's current stream."""
+def _launch(q, k, qo, ko, cos, sin, layout, seq_dim, inverse, plans=None):
+    """One launch over q's rows and k's (k=None: q's only), on q's device and that device's current stream.
+
+    ``plans``: a dict kept by the caller for calls whose q, k (shapes and strides), cos, sin and layout are the
+    same (a step's rotation, every layer): the plan is made by the first call and reused for outputs of the same
+    strides, with only the tensors swapped in."""
     global launches
-    grid, args, meta = _plan(q, k, qo, ko, cos, sin, layout, seq_dim, inverse)
+    key = (qo.stride(), ko.stride(), inverse) if plans is not None else None
+    kept = plans.get(key) if plans is not None else None
+    if kept is None:
+        grid, args, meta = _plan(q, k, qo, ko, cos, sin, layout, seq_dim, inverse)
+        if plans is not None:
+            plans[key] = (grid, args[6:], meta)
+    else:
+        grid, rest, meta = kept
+        if seq_dim == 2:
+            args = (q, k, qo, ko, cos, sin, *rest)
+        else:
+            args = (q.transpose(1, 2), k.transpose(1, 2), qo.transpose(1, 2), ko.transpose(1, 2), cos, sin, *rest)
     with launch_context(q.device):
         _rope_kernel[grid](*args, **meta)
     launches += 1
@@ -285,12 +300,12 @@ class _TritonRope(torch.autograd.Function):
     """q and k rotated in one launch; backward = the inverse rotation in one launch (saves cos/sin only)."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, layout, seq_dim, inplace, inverse=False):
+    def forward(ctx, q, k, cos, sin, layout, seq_dim, inplace, inverse=False, plans=None):
         if inplace:
             qo, ko = q, k
         else:
             qo, ko = torch.empty_like(q), torch.empty_like(k)
-        _launch(q, k, qo, ko, cos, sin, layout, seq_dim, inverse=inverse)
+        _launch(q, k, qo, ko, cos, sin, layout, seq_dim, inverse, plans)
         if inplace:
             ctx.mark_dirty(q, k)
         ctx.save_for_backward(cos, sin)
@@ -303,12 +318,12 @@ class _TritonRope(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: the backward is itself a (differentiable) rotation
             dq, dk = _TritonRope.apply(gq, gk, cos, sin, ctx.layout, ctx.seq_dim, False, not ctx.inverse)
-            return dq, dk, None, None, None, None, None, None
+            return dq, dk, None, None, None, None, None, None, None
         # the gradient's own layout where it is dense (a (b, s, h, d) projection's transposed view stays so: no
         # copy when the projection's backward reads it); an expanded gradient gets a dense one
         dq, dk = torch.empty_like(gq), torch.empty_like(gk)
         _launch(gq, gk, dq, dk, cos, sin, ctx.layout, ctx.seq_dim, inverse=not ctx.inverse)
-        return dq, dk, None, None, None, None, None, None
+        return dq, dk, None, None, None, None, None, None, None
 
 
 class _TritonRopeOne(torch.autograd.Function):
@@ -339,9 +354,11 @@ def interpreted():
     return _INTERPRETED
 
 
-def rope(q, k, cos, sin, layout, seq_dim, inplace=False):
-    """Rotate q and k. cos/sin: (batch or 1, seq, rd) or unfolded (3, batch or 1, seq, rd), not unsqueezed."""
+def rope(q, k, cos, sin, layout, seq_dim, inplace=False, plans=None):
+    """Rotate q and k. cos/sin: (batch or 1, seq, rd) or unfolded (3, batch or 1, seq, rd), not unsqueezed.
+    ``plans``: see :func:`_launch` (the caller's promise: every call with it has q and k of one shape and stride,
+    and the same cos, sin and layout)."""
     if inplace and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad) and \
             (q._base is not None or k._base is not None):
         return (_TritonRopeOne.apply(q, cos, sin, layout, seq_dim), _TritonRopeOne.apply(k, cos, sin, layout, seq_dim))
-    return _TritonRope.apply(q, k, cos, sin, layout, seq_dim, inplace)
+    return _TritonRope.apply(q, k, cos, sin, layout, seq_dim, inplace, False, plans)

@@ -68,6 +68,42 @@ def _varlen(q, k, v, cu_seqlens, bounds, max_seqlen, *, causal, softmax_scale, w
     return _sdpa_fallback(q, k, v, bounds, softmax_scale, causal, window, dropout_p)
 
 
+def bound(q, k, v, cu_seqlens, bounds, max_seqlen, *, causal, softmax_scale, window, dropout_p):
+    """The packed attention call for every layer of a step whose tensors look like these (device, dtype, heads,
+    head_dim, scale, window, dropout): what :func:`_varlen` decides per call, decided once. The kernel is chosen
+    and, on its first use in the process, proven; the boundaries go to q's device as int32 once; the kernel's
+    arguments are built once. Returns ``attend(q, k, v)``: one call a layer. Eager only (compiled layers call
+    :func:`_varlen`)."""
+    from . import attention_calls as calls
+
+    kind = _kind(q, dropout_p)
+    if kind != "sdpa" and calls.unfit_shapes(q, k, v):
+        kind = "sdpa"  # heads the kernels do not take: the exact path, not a failed proof (nothing to report)
+    if kind != "sdpa" and (proofs.passed(kind, q, k, causal, window) or
+                           _prove_gpu(kind, q, k, v, causal, softmax_scale, window)):
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        if kind == "flash_attn":
+            global _FLASH_VARLEN
+            if _FLASH_VARLEN is None:
+                _FLASH_VARLEN = _choice.flash_varlen()
+            fn = _FLASH_VARLEN
+            _, kw = calls.flash_call(q, k, v, cu, max_seqlen, causal=causal, scale=softmax_scale, window=window,
+                                     dropout_p=dropout_p, deterministic=calls.deterministic())
+        else:
+            fn = _torch_varlen()
+            _, kw = calls.torch_call(q, k, v, cu, max_seqlen, causal=causal, scale=softmax_scale, window=window,
+                                     params=("enable_gqa",) if _torch_takes_gqa() else ())
+
+        def attend(q, k, v):
+            return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kw)
+
+        return attend
+    if bounds is None:  # the kernel cannot serve the call: the SDPA path reads the boundaries (one sync a step)
+        bounds = check_cu_seqlens(cu_seqlens, q.shape[0], "varlen_attention: cu_seqlens")
+    return functools.partial(_sdpa_fallback, bounds=bounds, scale=softmax_scale, causal=causal, window=window,
+                             dropout_p=dropout_p)
+
+
 def traced_kernel(q, k, v, causal, window, dropout_p):
     """Inside a region torch.compile traces: the GPU kernel that serves these tensors (flash-attn's varlen function
     or torch's ``varlen_attn``, each a ``torch.library`` op the graph calls), if it passed its first-use proof

@@ -160,7 +160,11 @@ def attention_forward(self, *args, **kwargs):
 
 
 def _attend_row(step, q, k, v, scale, window, dropout):
-    """Attention over the whole packed row this layer sees (after Ulysses: all of its heads' tokens)."""
+    """Attention over the whole packed row this layer sees (after Ulysses: all of its heads' tokens). Eager, the
+    step binds the call once for the layers' layout (the kernel chosen and proven, the boundaries on q's device,
+    the kernel's arguments built: ``varlen.bound``) and every layer calls that."""
+    import torch
+
     from .._kernels.varlen import _varlen
 
     if step.total != q.shape[0]:
@@ -176,8 +180,17 @@ def _attend_row(step, q, k, v, scale, window, dropout):
             if kind != "sdpa":
                 return _gpu_call(kind, q, k, v, step.cu, step.max_len, True, scale, window, dropout)
         return _sdpa_by_seq(q, k, v, step.seq, scale, True, window, dropout)
-    return _varlen(q, k, v, step.cu, step.bounds, step.max_len, causal=True, softmax_scale=scale, window=window,
-                   dropout_p=dropout)
+    if torch.compiler.is_compiling():  # compiled layers: the kernel proven before tracing, decided in the graph
+        return _varlen(q, k, v, step.cu, step.bounds, step.max_len, causal=True, softmax_scale=scale, window=window,
+                       dropout_p=dropout)
+    key = ("attend", q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], v.shape[2], scale, window, dropout)
+    attend = step.memo.get(key)
+    if attend is None:  # the first layer of the step with this layout
+        from .._kernels.varlen import bound
+
+        attend = step.memo[key] = bound(q, k, v, step.cu, step.bounds, step.max_len, causal=True, softmax_scale=scale,
+                                        window=window, dropout_p=dropout)
+    return attend(q, k, v)
 
 
 def _attend_split(state, step, q, k, v, scale, dropout):

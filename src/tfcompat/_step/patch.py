@@ -236,6 +236,8 @@ def _install_all(model, fam, targets, state_of, linear_cls, resolutions, windows
         if kind == "attention":
             state.window = windows[id(m)]
             state.rope, state.plan = resolutions[1], resolutions[2].plan
+        if kind == "text":
+            state.plan = resolutions[2].plan  # the text model's plan, bound here: read per step, not resolved
         _install(m, kind, state, FORWARDS[kind])
 
 

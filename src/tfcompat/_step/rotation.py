@@ -140,7 +140,9 @@ class Rotation:
         if not proven(q, k, cos, sin, layout, self.seq_dim, self.inplace, self.rotation, self.res.plan.gptj_cos,
                       explicit):
             return False  # failed its first-use proof under auto
-        self.kind, self.mod, self.layout = "triton", mod, layout
+        # the launch plan, made by the first layer and kept for the step's others (their q and k share this
+        # rotation's shapes and strides: the carrier's key)
+        self.kind, self.mod, self.layout, self.plans = "triton", mod, layout, {}
         return True
 
     def __call__(self, q, k):
@@ -148,7 +150,7 @@ class Rotation:
         if kind == "native" and not self.inplace and self.rotation != "deinterleave":
             return self.kernels._RopePair.apply(q, k, self.trig, self.seq_dim)
         if kind == "triton":
-            return self.mod.rope(q, k, self.cos, self.sin, self.layout, self.seq_dim, inplace=self.inplace)
+            return self.mod.rope(q, k, self.cos, self.sin, self.layout, self.seq_dim, self.inplace, self.plans)
         if kind == "upstream":
             return upstream(self.res, q, k, self.cos, self.sin, self.section, self.unsqueeze_dim)
         return self._other(q, k)

@@ -75,7 +75,7 @@ def text_model_forward(self, *args, **kwargs):
         else seen
     _check_mask_length(state, a, batch, local)
     changed = {}
-    plan = _resolve.resolve("attention.signature", state.family).plan
+    plan = state.plan or _resolve.resolve("attention.signature", state.family).plan  # bound at patch time
     if position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 4 and not plan.four_row_ids:
         changed["position_ids"] = position_ids[1:]  # this release's text model predates the 4-row layout
     step = _find_step(state, _carrier.first(split.values()), explicit, position_ids, a.get("attention_mask"), batch,
