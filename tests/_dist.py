@@ -4,36 +4,14 @@
 process: importing torch and transformers), each case's outcome recorded per rank.
 """
 
-import datetime
-import json
 import os
 import sys
-import tempfile
 import time
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-
-
-def _entry(rank, fn, world, init, args, out):
-    import torch
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=180))
-    results = fn(rank, world, *args)
-    dist.barrier()  # nobody leaves while a peer still reads its last message
-    if out is not None:
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump(results or {}, f)
-    # gloo's transport threads can abort the interpreter's teardown ("terminate called without
-    # an active exception"); the work is done and checked, so leave without tearing down
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _start_method(fn):
@@ -57,20 +35,16 @@ def _start_method(fn):
 
 
 def spawn(fn, world, *args, timeout=300, collect=False):
-    folder = tempfile.mkdtemp(prefix="tfcompat-dist-")
-    init = "file://" + os.path.join(folder, "rendezvous")
-    out = folder if collect else None
-    ctx = mp.start_processes(_entry, args=(fn, world, init, args, out), nprocs=world, join=False,
-                             start_method=_start_method(fn))
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"spawned test did not finish in {timeout}s (hang?)")
-    if collect:
-        return [json.load(open(os.path.join(folder, f"rank{r}.json"))) for r in range(world)]
-    return None
+    """``fn(rank, world, *args)`` over ``world`` gloo ranks (tfcompat.testing.spawn_ranks, the one harness the
+    tests, the benchmarks and ``tfcompat check`` share); a rank that fails, dies or runs past ``timeout`` fails
+    the test. ``collect``: every rank's return value, in rank order."""
+    from tfcompat.testing import spawn_ranks
+
+    outcomes = spawn_ranks(fn, world, *args, timeout=timeout, start_method=_start_method(fn))
+    errors = [f"rank {o['rank']}: {o['error']}" for o in outcomes if "error" in o]
+    if errors:
+        pytest.fail(f"spawned ranks failed: {'; '.join(errors[:2])}")
+    return [o["result"] or {} for o in outcomes] if collect else None
 
 
 def run_cases(rank, cases):

@@ -12,10 +12,13 @@ import pytest
 import torch
 
 import tfcompat
-from tfcompat._probe.families import FAMILIES as SPECS
+from tfcompat.testing import families
 
 from _helpers import one_per_shape, patchable
 from _models import forward_kwargs, padded, run_upstream, tiny_model, tiny_pixels, tiny_sequence, word_tokenizer
+
+SPECS = families(installed_only=False)  # the family facts, from the public face
+
 
 ALL = patchable()
 FAMILIES = one_per_shape(ALL)

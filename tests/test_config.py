@@ -5,12 +5,14 @@ import copy
 import pytest
 import torch
 
-from tfcompat._probe.families import FAMILIES as SPECS
 from tfcompat.config import rope_parameters, text_config
 from tfcompat.errors import ConfigError
-from tfcompat.testing import TINY_SECTIONS, tiny_config
+from tfcompat.testing import TINY_SECTIONS, families, tiny_config
 
 from _helpers import installed, rotary, rotary_families
+
+SPECS = families(installed_only=False)  # the family facts, from the public face
+
 
 FAMILIES = rotary_families()
 

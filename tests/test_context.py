@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 import tfcompat
-from tfcompat._probe.families import FAMILIES as SPECS
 from tfcompat.embeds import rope_index
 from tfcompat.errors import PackingError, UlyssesError
 from tfcompat.packing import pack, unpack
+from tfcompat.testing import families
 from tfcompat.ulysses import gather_from_ranks, slice_for_rank
 
 from _dist import assert_ok, merged, run_cases, sequence_groups, spawn
@@ -32,6 +32,8 @@ from _models import (
     tiny_pixels,
     tiny_sequence,
 )
+
+SPECS = families(installed_only=False)  # the family facts, from the public face
 
 pytestmark = pytest.mark.xdist_group("context")
 if os.environ.get("TFCOMPAT_BOUNDARY_TESTS") == "skip":

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 import tfcompat
-from tfcompat._probe.families import FAMILIES as SPECS
 from tfcompat.embeds import get_input_embeds, rope_index
 from tfcompat.errors import UlyssesError
 from tfcompat.packing import pack, unpack
+from tfcompat.testing import families
 from tfcompat.ulysses import gather_from_ranks, slice_for_rank
 
 from _dist import assert_ok, merged, run_cases, spawn
@@ -29,6 +29,8 @@ from _models import (
     tiny_pixels,
     tiny_sequence,
 )
+
+SPECS = families(installed_only=False)  # the family facts, from the public face
 
 # the workers are spawned once for the module: under pytest-xdist its tests stay on one worker
 pytestmark = pytest.mark.xdist_group("distributed")

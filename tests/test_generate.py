@@ -13,10 +13,13 @@ import pytest
 import torch
 
 import tfcompat
-from tfcompat._probe.families import FAMILIES as SPECS
+from tfcompat.testing import families
 
 from _helpers import patchable
 from _models import forward_kwargs, tiny_model, tiny_pixels, tiny_sequence
+
+SPECS = families(installed_only=False)  # the family facts, from the public face
+
 
 # torch.compile costs seconds per family: the compiled path runs on the boundary releases of the matrix
 BOUNDARY = os.environ.get("TFCOMPAT_BOUNDARY_TESTS") != "skip"

@@ -256,3 +256,18 @@ def test_docstrings_name_modules_that_exist():
             if full not in mods:
                 stale.append(f"{path.name}: {name}")
     assert not stale, stale
+
+
+def test_the_public_family_facts_are_the_tables():
+    """tfcompat.testing.families(): every family the table knows (the installed ones by default), with the facts the
+    tests and frameworks pick by, read from the family table."""
+    from tfcompat._probe.families import FAMILIES
+    from tfcompat.testing import families
+
+    assert list(families(installed_only=False)) == list(FAMILIES)
+    assert set(families()) == set(installed()) and set(installed()) <= set(FAMILIES)
+    for name, info in families(installed_only=False).items():
+        fam = FAMILIES[name]
+        assert (info.vision, info.mrope, info.nope, info.patch_refusal, info.embeds_refusal, info.since) == \
+            (fam.vision, fam.mrope, fam.nope, fam.patch_refusal, fam.embeds_refusal, fam.since)
+        assert info.text_family == (fam.text_family or name) and info.audio == ("audio_config" in fam.tiny_top)

@@ -5,9 +5,9 @@ import warnings
 import pytest
 import torch
 
-from tfcompat._probe.families import FAMILIES as SPECS
 from tfcompat.config import rope_parameters
 from tfcompat.rope import apply_rope, apply_rope_
+from tfcompat.testing import families
 
 from _helpers import (
     BOUNDARY_ONLY,
@@ -22,6 +22,9 @@ from _helpers import (
     triton_ready,
     upstream_rope,
 )
+
+SPECS = families(installed_only=False)  # the family facts, from the public face
+
 
 # with triton (the interpreter environments) one family per kernel shape: the kernel sees the plan and widths,
 # not the family; every family runs every other implementation in the same release's main environment

@@ -15,13 +15,16 @@ import pytest
 import torch
 
 import tfcompat
-from tfcompat._probe.families import FAMILIES as SPECS
 from tfcompat.embeds import rope_index
 from tfcompat.packing import pack
+from tfcompat.testing import families
 
 from _dist import assert_ok, merged, run_cases, spawn
 from _helpers import patchable
 from _models import forward_kwargs, padded, tiny_model, tiny_pixels, tiny_sequence, word_tokenizer
+
+SPECS = families(installed_only=False)  # the family facts, from the public face
+
 
 pytestmark = pytest.mark.xdist_group("distributed")
 

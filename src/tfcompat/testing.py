@@ -9,6 +9,7 @@ model can be instantiated on a CPU in milliseconds. Nothing is downloaded.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any
 
@@ -16,7 +17,8 @@ from ._probe.families import family as _family
 from ._probe.tiny import HEAD_DIM, TINY_SECTIONS, tiny_config  # noqa: F401 (public here)
 
 __all__ = ["tiny_config", "tiny_model", "tiny_sequence", "tiny_pixels", "padded_batch", "model_class",
-           "TINY_SECTIONS", "assert_close_to_model", "MODEL_RTOL", "MODEL_ATOL"]
+           "TINY_SECTIONS", "assert_close_to_model", "MODEL_RTOL", "MODEL_ATOL", "families", "FamilyInfo",
+           "spawn_ranks"]
 
 #: The tolerance of whole-model comparisons (logits, gradients, parameters after optimizer steps; a patched
 #: packed row against upstream's padded batch, sharded ranks against one process), in fp32: the sums run in
@@ -115,3 +117,118 @@ def assert_close_to_model(got: Any, want: Any, what: str = "") -> None:
 
     scale = max(1.0, want.abs().max().item())
     torch.testing.assert_close(got, want, rtol=MODEL_RTOL, atol=MODEL_ATOL * scale, msg=lambda m: f"{what}: {m}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyInfo:
+    """What a test or a framework needs to pick among the families (:func:`families`)."""
+
+    name: str
+    #: a vision-language model (text settings under ``text_config``)
+    vision: bool
+    #: an omni thinker with an audio tower
+    audio: bool
+    #: "none", "contiguous" (Qwen2-VL, GLM-4V T/H/W blocks) or "interleaved" (Qwen3-VL, Qwen3.5)
+    mrope: str
+    #: the decoder has no rotary embedding (apply_rope and rope_parameters refuse it by name)
+    nope: bool
+    #: why ``tfcompat.patch`` / ``tfcompat.embeds`` refuse it ("" when they serve it)
+    patch_refusal: str
+    embeds_refusal: str
+    #: the family whose decoder a composite runs (GLM-4.6V runs GLM-4V's), else its own name
+    text_family: str
+    #: the first transformers release that ships it, and its modeling module
+    since: str
+    modeling: str
+
+
+def families(installed_only: bool = True) -> dict:
+    """The families tfcompat knows, by name: :class:`FamilyInfo` (vision, audio, mRoPE layout, NoPE, why patch or
+    embeds refuse it, its text family, the first release shipping it). ``installed_only``: only the families the
+    installed transformers ships.
+
+    .. versionadded:: 0.2.0
+    """
+    from ._probe.families import FAMILIES
+    from ._probe.resolve import installed_families
+
+    out = {}
+    for n in installed_families() if installed_only else FAMILIES:
+        fam = FAMILIES[n]
+        out[n] = FamilyInfo(n, fam.vision, "audio_config" in fam.tiny_top, fam.mrope, fam.nope, fam.patch_refusal,
+                            fam.embeds_refusal, fam.text_family or n, fam.since, fam.modeling)
+    return out
+
+
+def _rank_entry(rank, fn, world, init, folder, args, threads, launcher_env, init_timeout):
+    import datetime
+    import json
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    if launcher_env:  # what torchrun sets: accelerate (transformers.Trainer) finds the process group by them
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT="29556")
+    outcome: dict = {"rank": rank}
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=init_timeout))
+        result = fn(rank, world, *args)
+        dist.barrier()  # nobody leaves while a peer still reads its last message
+        outcome["result"] = result
+    except Exception as exc:  # the caller says it, with the rank
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        outcome["error"] = f"{type(exc).__name__}: {first}"
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
+        json.dump(outcome, f)
+    # gloo's transport threads can abort the interpreter's teardown ("terminate called without an active
+    # exception"); the outcome is written, so leave without tearing down
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def spawn_ranks(fn: Any, world: int, *args: Any, timeout: float = 600.0, threads: int = 1,
+                start_method: str = "spawn", launcher_env: bool = False, init_timeout: float = 180.0) -> list:
+    """``fn(rank, world, *args)`` on ``world`` spawned processes joined in one gloo process group (a file
+    rendezvous in a temporary folder: no port), for distributed checks on a CPU. Each rank's outcome comes back in
+    rank order: ``{"rank": r, "result": <fn's JSON-able return value>}``, or ``{"rank": r, "error": "..."}`` where
+    ``fn`` raised, the rank died, or the ranks ran past ``timeout`` seconds (then every rank is killed: a run
+    ends by its timeout, never hangs). ``fn`` must be importable by the spawned processes (a module-level
+    function). ``threads``: torch threads a rank; ``launcher_env``: set the variables torchrun sets (RANK,
+    WORLD_SIZE, ...), which accelerate and transformers.Trainer read. tfcompat's tests, benchmarks and
+    ``tfcompat check --ulysses/--context`` run their ranks with it.
+
+    .. versionadded:: 0.2.0
+    """
+    import json
+    import os
+    import tempfile
+    import time
+
+    import torch.multiprocessing as mp
+
+    folder = tempfile.mkdtemp(prefix="tfcompat-ranks-")
+    ctx = mp.start_processes(_rank_entry, args=(fn, world, "file://" + os.path.join(folder, "rendezvous"), folder,
+                                                args, threads, launcher_env, init_timeout),
+                             nprocs=world, join=False, start_method=start_method)
+    deadline = time.monotonic() + timeout
+    late = None
+    while not ctx.join(timeout=2):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            late = f"the {world} ranks did not finish in {timeout:.0f}s (killed)"
+            break
+    outcomes = []
+    for rank in range(world):
+        try:
+            with open(os.path.join(folder, f"rank{rank}.json")) as f:
+                outcomes.append(json.load(f))
+        except OSError:
+            outcomes.append({"rank": rank, "error": late or "the rank wrote no outcome (it died)"})
+    return outcomes

@@ -6,11 +6,6 @@ The ranks rendezvous through a file in a temporary folder (no port) and each wri
 that does not finish in time is killed and the check fails saying so (never a hang).
 """
 
-import datetime
-import json
-import os
-import sys
-import tempfile
 import time
 
 from ..errors import ConfigError
@@ -73,60 +68,25 @@ def _rank_step(name, config, ulysses, context):
     return _difference(logits.detach(), ref, mask, grads, ref_grads)
 
 
-def _entry(rank, world, init, folder, name, config, ulysses, context):
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    outcome = {"rank": rank}
-    try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
-        outcome["diff"] = _rank_step(name, config, ulysses, context)
-        dist.barrier()
-    except Exception as exc:  # said by the parent as the check's error
-        outcome["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-    with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
-        json.dump(outcome, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # gloo's threads can abort the interpreter's teardown; the outcome is written
+def _rank(rank, world, name, config, ulysses, context):
+    return _rank_step(name, config, ulysses, context)
 
 
 def run(name, config, ulysses, context, tolerance=None, timeout=600.0):
     """The check's result dict (as :mod:`.checks` makes them) of the packed step over ``ulysses x context``
     spawned gloo ranks."""
-    import torch.multiprocessing as mp
 
-    from ..testing import MODEL_RTOL
+    from ..testing import MODEL_RTOL, spawn_ranks
 
     world = ulysses * context
     if world < 2:
         raise ConfigError("tfcompat check: --ulysses N and --context M run over N x M ranks: at least 2")
     check = f"layout.ulysses{ulysses}.context{context}"
     tol = tolerance if tolerance is not None else MODEL_RTOL
-    folder = tempfile.mkdtemp(prefix="tfcompat-layout-")
     start = time.perf_counter()
-    ctx = mp.start_processes(_entry, args=(world, "file://" + os.path.join(folder, "rendezvous"), folder, name,
-                                           config, ulysses, context),
-                             nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    error = None
-    while not ctx.join(timeout=2):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            error = f"the {world} ranks did not finish in {timeout:.0f}s (killed)"
-            break
-    outcomes = []
-    for rank in range(world):
-        try:
-            with open(os.path.join(folder, f"rank{rank}.json")) as f:
-                outcomes.append(json.load(f))
-        except OSError:
-            outcomes.append({"rank": rank, "error": error or "the rank wrote no outcome (it died)"})
+    outcomes = spawn_ranks(_rank, world, name, config, ulysses, context, timeout=timeout, init_timeout=120)
     errors = [f"rank {o['rank']}: {o['error']}" for o in outcomes if "error" in o]
-    diff = max((o["diff"] for o in outcomes if "diff" in o), default=float("nan"))
+    diff = max((o["result"] for o in outcomes if "result" in o), default=float("nan"))
     return {"family": name, "check": check, "compares": "fwd+bwd", "max_abs_diff": diff, "tolerance": tol,
             "passed": not errors and diff <= tol, "skipped": None,
             "seconds": round(time.perf_counter() - start, 4), "error": "; ".join(errors[:2]) or None}
