@@ -171,14 +171,11 @@ def current() -> Any:
 @contextlib.contextmanager
 def packed(cu_seqlens: torch.Tensor, max_seqlen: Optional[int] = None) -> Iterator[Any]:
     """Within the block, patched attention uses these boundaries (int32 (num_seqs + 1,))."""
-    from ._kernels.cu import check_cu_seqlens
+    from ._kernels.cu import check_cu_seqlens, check_longest
 
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise PackingError(f"packed: cu_seqlens must be a 1-D tensor (0, ..., total), got {cu_seqlens!r}")
     bounds = check_cu_seqlens(cu_seqlens, int(cu_seqlens[-1]), "packed: cu_seqlens")
-    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-    if max_seqlen is not None and int(max_seqlen) != longest:
-        raise PackingError(f"packed: max_seqlen {int(max_seqlen)} but the longest sequence has {longest} tokens")
-    max_seqlen = longest
+    max_seqlen = check_longest(bounds, max_seqlen, "packed")
     with _carrier.carry(_carrier.Packed(cu_seqlens, int(max_seqlen))):
         yield

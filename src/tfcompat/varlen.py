@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from ._kernels.cu import check_cu_seqlens
+from ._kernels.cu import check_cu_seqlens, check_longest, restarts
 from ._kernels.varlen import _HALF, _kind, _varlen  # noqa: F401  (the kernels, below the face)
 from ._probe import backends as _backends
 from .errors import PackingError
@@ -69,15 +69,11 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tens
         ids = ids[0]
     if ids.dim() != 1 or ids.numel() == 0:
         raise PackingError(f"cu_seqlens_from_position_ids: no tokens, or an unexpected shape {tuple(ids.shape)}")
-    down = torch.nonzero((ids[1:] < ids[:-1]) & (ids[1:] != 0)).flatten()
-    if down.numel():
-        i = int(down[0]) + 1
+    starts, i = restarts(ids)
+    if i is not None:
         raise PackingError(f"cu_seqlens_from_position_ids: positions go down from {int(ids[i - 1])} to "
                            f"{int(ids[i])} at token {i} without restarting at 0; each sequence must count from 0")
-    idx = torch.nonzero(ids[1:] == 0).flatten() + 1
-    zero = torch.zeros(1, device=ids.device, dtype=idx.dtype)
-    total = torch.tensor([ids.numel()], device=ids.device, dtype=idx.dtype)
-    cu = torch.cat((zero, idx, total)).to(torch.int32)
+    cu = torch.tensor(starts + [ids.numel()], dtype=torch.int32, device=ids.device)
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
@@ -177,10 +173,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         return _varlen(q, k, v, cu_seqlens, None, longest, causal=causal, softmax_scale=scale, window=window,
                        dropout_p=dropout_p)
     bounds = check_cu_seqlens(cu_seqlens, q.shape[0], "varlen_attention: cu_seqlens")
-    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-    if max_seqlen is not None and int(max_seqlen) != longest:
-        raise PackingError(f"varlen_attention: max_seqlen {int(max_seqlen)} but the longest sequence of "
-                           f"{list(bounds)} has {longest} tokens")
+    longest = check_longest(bounds, max_seqlen, "varlen_attention")
     return _varlen(q, k, v, cu_seqlens, bounds, longest, causal=causal, softmax_scale=scale, window=window,
                    dropout_p=dropout_p)
 

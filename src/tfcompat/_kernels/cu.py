@@ -29,3 +29,28 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, what: str = "cu_seqle
         raise PackingError(f"{what}: boundaries must strictly increase, but {bounds[bad - 1]} is followed by "
                            f"{bounds[bad]} (position {bad} of {list(bounds)})")
     return bounds
+
+
+def check_longest(bounds, given, who, name="max_seqlen", hint="", tail=False, of=""):
+    """The longest sequence of ``bounds`` (without the last range where ``tail``: a sequence-parallel row's
+    padding); a ``given`` longest (the caller's max_seqlen / max_length_q) must equal it. ``name``: how the
+    refusal names the given value ("max_seqlen", "max_length_q is"). The one check of a named
+    longest sequence: ``varlen_attention`` and the patched model's step both call it."""
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    real = max(lengths[:-1]) if tail else max(lengths)
+    if given is not None and int(given) != real:
+        shown = list(bounds[:-1] if tail else bounds)
+        raise PackingError(f"{who}: {name} {int(given)} but the longest sequence of {of}{shown} has {real} "
+                           f"tokens{hint}")
+    return max(lengths)
+
+
+def restarts(positions):
+    """Where one row of text positions restarts at 0 (transformers' rule: a sequence begins there), as a Python
+    list that starts with 0, and the first token where the positions go down without restarting at 0 (None where
+    none does). The one reading of boundaries from positions: ``cu_seqlens_from_position_ids`` and the patched
+    model's step both call it, each saying a refusal its own way."""
+    down = torch.nonzero((positions[1:] < positions[:-1]) & (positions[1:] != 0)).flatten()
+    if down.numel():
+        return None, int(down[0]) + 1
+    return [0] + (torch.nonzero(positions[1:] == 0).flatten() + 1).tolist(), None

@@ -33,17 +33,12 @@ class Step:
 
 def make_step(cu, total, max_len=None, what="boundaries", max_len_k=None, tail=False):
     """``tail``: the last range is the padding a sequence-parallel row was given (not the caller's sequence)."""
-    from .._kernels.cu import check_cu_seqlens
+    from .._kernels.cu import check_cu_seqlens, check_longest
 
     bounds = check_cu_seqlens(cu, total, what)
-    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    longest = max(lengths)
-    real = max(lengths[:-1]) if tail else longest
-    for name, given in (("max_length_q", max_len), ("max_length_k", max_len_k)):
-        if given is not None and int(given) != real:
-            raise PackingError(f"tfcompat: {name} is {int(given)} but the longest sequence of {what} "
-                               f"{list(bounds[:-1] if tail else bounds)} has {real} tokens; pass both from the "
-                               f"same collator")
+    hint = "; pass both from the same collator"
+    longest = check_longest(bounds, max_len, "tfcompat", "max_length_q is", hint, tail, f"{what} ")
+    check_longest(bounds, max_len_k, "tfcompat", "max_length_k is", hint, tail, f"{what} ")
     import torch
 
     return Step(cu.to(torch.int32), bounds, longest, total)
@@ -52,21 +47,20 @@ def make_step(cu, total, max_len=None, what="boundaries", max_len_k=None, tail=F
 def starts_of(ids, valid, what):
     """Python list of sequence starts in one row of text positions (transformers' rule: a sequence begins
     where the position is 0). Positions that go down without restarting at 0 are refused."""
-    import torch
+
+    from .._kernels.cu import restarts
 
     t = ids[valid] if valid is not None else ids
     if t.numel() == 0:
         return [0]
-    down = torch.nonzero((t[1:] < t[:-1]) & (t[1:] != 0)).flatten()
-    if down.numel():
-        i = int(down[0]) + 1
+    starts, i = restarts(t)
+    if i is not None:
         raise PackingError(
             f"tfcompat: {what} go down from {int(t[i - 1])} to {int(t[i])} at token {i} without restarting at 0; "
             f"a packed sequence must start at position 0 (pass cu_seq_lens_q, tfcompat.packing.packed(cu), or "
             f"4-row ids from tfcompat.packing.pack)"
         )
-    starts = torch.nonzero(t[1:] == 0).flatten() + 1
-    return [0] + starts.tolist()
+    return starts
 
 
 def padded_starts(row, valid):
