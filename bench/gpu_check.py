@@ -55,7 +55,7 @@ def main():
     else:
         print("[skip] flash-attn is not importable: pip install flash-attn")
     if _kv._choice.torch_ships("nn/attention/varlen.py"):
-        # PyTorch's own varlen kernel, as varlen._varlen calls it (causal, and a sliding window of 64)
+        # PyTorch's own varlen kernel, as _kernels.varlen._varlen calls it (causal, and a sliding window of 64)
         from tfcompat._kernels import attention_calls as calls
 
         for window in (None, 64):
