@@ -71,7 +71,8 @@ def _rope(name, device, dtype, inplace, vs_cpu):
 def _varlen(device, dtype):
     import torch
 
-    from ..varlen import _sdpa_fallback, varlen_attention
+    from .._kernels.varlen import _sdpa_fallback
+    from ..varlen import varlen_attention
 
     g = torch.Generator().manual_seed(0)
     cu = torch.tensor([0, 100, 101, 612, 1000], dtype=torch.int32)

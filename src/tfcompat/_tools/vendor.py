@@ -141,11 +141,11 @@ def layer_files(source, layer):
 
 def _layer_init(layer):
     """The package root of a one-layer copy: the version, and a clear refusal for what the layer does not hold."""
-    entries = ", ".join(f"tfcompat.{m}" for m in LAYERS[layer] if m)
-    why = (f"this copy was vendored with `tfcompat vendor --only {layer}`, which holds {entries}; vendor the whole "
-           f"package (or --only patch) for the rest")
-    return (f'"""tfcompat {__version__}, one layer (`tfcompat vendor --only {layer}`): {entries} and what they\n'
-            f'import. For tfcompat.patch and the rest, vendor the whole package (or --only patch)."""\n\n'
+    entries = ", ".join(m for m in LAYERS[layer] if m)
+    why = (f"this copy was vendored with `tfcompat vendor --only {layer}`, which holds the module(s) {entries} and "
+           f"what they import; vendor the whole package (or --only patch) for the rest")
+    return (f'"""tfcompat {__version__}, one layer (`tfcompat vendor --only {layer}`): the module(s) {entries} and\n'
+            f'what they import. For patch() and the rest, vendor the whole package (or --only patch)."""\n\n'
             f'__version__ = "{__version__}"\n\n\n'
             f"def __getattr__(name):\n"
             f"    raise AttributeError(f\"module {{__name__!r}} has no attribute {{name!r}}: \"\n"
