@@ -10,7 +10,7 @@ import pathlib
 
 import pytest
 
-from tfcompat._tools.cli import main
+from tfcompat._tools.cli import main  # private: the command's own entry (tests of the command run it in process)
 
 from _helpers import BOUNDARY_ONLY, installed
 

@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from tfcompat._probe.families import FAMILIES as SPECS
+from tfcompat._probe.families import FAMILIES as SPECS  # private: probe-only facts the public FamilyInfo leaves out
 from tfcompat.embeds import (
     EmbedsError,
     dummy_visual_zero,

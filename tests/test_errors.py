@@ -3,15 +3,16 @@
 import pytest
 import torch
 
-from tfcompat._probe import resolve as _resolve
-from tfcompat._probe.families import FAMILIES as SPECS
+from tfcompat._probe import resolve as _resolve  # private: the resolutions themselves are under test
 from tfcompat.config import rope_parameters
 from tfcompat.errors import ConfigError, RopeShapeError, TfcompatError, UnsupportedTransformersError
 from tfcompat.rope import apply_rope
-from tfcompat.testing import tiny_config
+from tfcompat.testing import families, tiny_config
 from tfcompat.version import transformers_version
 
 from _helpers import installed, position_ids, rotary, rotary_families
+
+SPECS = families(installed_only=False)  # the family facts, from the public face
 
 FAMILIES = rotary_families()
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tfcompat
-from tfcompat._probe.families import FAMILIES as SPECS
+from tfcompat._probe.families import FAMILIES as SPECS  # private: probe-only facts the public FamilyInfo leaves out
 from tfcompat.embeds import rope_index
 from tfcompat.packing import pack, unpack
 

@@ -8,9 +8,9 @@ import pytest
 from packaging.version import Version
 
 import tfcompat
-from tfcompat._probe import resolve as _resolve
-from tfcompat._probe import source as _source
-from tfcompat._probe.families import FAMILIES as SPECS
+from tfcompat._probe import resolve as _resolve  # private: the resolutions themselves are under test
+from tfcompat._probe import source as _source  # private: reading modeling files as text is under test
+from tfcompat._probe.families import FAMILIES as SPECS  # private: probe-only facts the public FamilyInfo leaves out
 from tfcompat.varlen import flash_attn_available
 from tfcompat.version import is_transformers_version_in_range, transformers_version
 

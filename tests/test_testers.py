@@ -23,8 +23,8 @@ import pathlib
 
 import pytest
 
-from tfcompat._tools.checks import run_family
-from tfcompat._tools.cli import main
+from tfcompat._tools.checks import run_family  # private: the command's family checks, run on the testers' configs
+from tfcompat._tools.cli import main  # private: the command's own entry (tests of the command run it in process)
 
 from _helpers import installed
 

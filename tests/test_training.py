@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import tfcompat
-from tfcompat._probe.families import FAMILIES as SPECS
 from tfcompat.errors import PackingError
 from tfcompat.packing import pack, unpack
+from tfcompat.testing import families
 
 from _helpers import (
     BOUNDARY_ONLY,
@@ -28,6 +28,8 @@ from _helpers import (
     plan_shape,
 )
 from _models import forward_kwargs, padded, run_upstream, three_d_positions, tiny_model, tiny_pixels, tiny_sequence
+
+SPECS = families(installed_only=False)  # the family facts, from the public face
 
 ALL = patchable()
 # family-independent mechanisms run on one family per plan shape (_helpers.plan_shape); every family's own
