@@ -782,22 +782,34 @@ def _per_layer(name):
 
 def _stand_in_flash(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                     softmax_scale=None, causal=False, window_size=(-1, -1), deterministic=False, **kwargs):
-    """flash-attn 2's flash_attn_varlen_func as called (the same positional and keyword names), computed per
-    sequence with SDPA: a stand-in registered where tfcompat looks the real one up (flash-attn needs CUDA)."""
+    """flash-attn 2's flash_attn_varlen_func as called (the same positional and keyword names; a query i sees the
+    keys i - left .. i + right of window_size, -1 unbounded, and none after it when causal), computed per sequence
+    with SDPA: a stand-in registered where tfcompat looks the real one up (flash-attn needs CUDA)."""
     outs = []
     bounds = cu_seqlens_q.tolist()
+    left, right = window_size
     for a, b in zip(bounds[:-1], bounds[1:]):
+        i = torch.arange(b - a)
+        dist = i[:, None] - i[None, :]
+        mask = torch.ones(b - a, b - a, dtype=torch.bool)
+        if causal:
+            mask &= dist >= 0
+        if left >= 0:
+            mask &= dist <= left
+        if right >= 0:
+            mask &= -dist <= right
         qs, ks, vs = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         outs.append(torch.nn.functional.scaled_dot_product_attention(
-            qs, ks, vs, is_causal=causal, scale=softmax_scale, enable_gqa=True)[0].transpose(0, 1))
+            qs, ks, vs, attn_mask=mask, scale=softmax_scale, enable_gqa=True)[0].transpose(0, 1))
     return torch.cat(outs)
 
 
 def _stand_in_torch(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
                     enable_gqa=False, **kwargs):
-    """torch's varlen_attn as called (causal: window_size (-1, 0)), per sequence with SDPA."""
+    """torch's varlen_attn as called: window_size (left, right) with right 0 for causal attention."""
+    left, right = window_size
     return _stand_in_flash(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, softmax_scale=scale,
-                           causal=window_size == (-1, 0))
+                           causal=right == 0, window_size=(left, -1))
 
 
 @pytest.mark.parametrize("kind", ["flash_attn", "torch_varlen"])
