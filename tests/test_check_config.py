@@ -32,7 +32,7 @@ def test_the_catalogue_is_there():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_published_config_passes_every_check(path, capsys):
-    from tfcompat._probe.families import family
+    from tfcompat._probe.families import family  # private: the family table's own look-up
 
     model_type = json.loads(path.read_text())["model_type"]
     if model_type not in installed():
@@ -69,7 +69,7 @@ def test_published_config_passes_every_check(path, capsys):
 def test_a_family_this_release_lacks_names_the_first_release_with_it(capsys):
     """A published config of a family the installed release does not ship: tfcompat's one line naming the first
     release that has it (the family table's `since`), exit 2, not transformers' "does not recognize"."""
-    from tfcompat._probe.families import family
+    from tfcompat._probe.families import family  # private: the family table's own look-up
 
     missing = [p for p in CONFIGS if json.loads(p.read_text())["model_type"] not in installed()]
     if not missing:
@@ -207,7 +207,7 @@ def test_changed_settings_say_from_to_and_why(capsys):
 def test_a_layout_this_machine_cannot_hold_is_refused_before_spawning():
     """`--context 64` started 64 processes (about 20 GB of 24 GB here, 5 min 48 s). The degrees are checked
     against the machine first: refused in one line naming how large a layout fits and a smaller one to run."""
-    from tfcompat._tools.check_cmd import rank_limit
+    from tfcompat._tools.check_cmd import rank_limit  # private: the command's machine-size rule, a pure function
 
     here = (2, 24.0)
     assert rank_limit(2, 2, here) == "" and rank_limit(2, 4, here) == ""

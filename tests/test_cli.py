@@ -83,7 +83,7 @@ def test_check_all_families_json(capsys):
 def check_here(capsys, *args):
     """`tfcompat check ...` in this process (the subprocess runs above prove the command itself; these save
     the seconds of importing torch and transformers again)."""
-    from tfcompat._tools import cli as _cli
+    from tfcompat._tools import cli as _cli  # private: the command, run in process
 
     capsys.readouterr()
     code = _cli.main(["check", *args])
@@ -215,7 +215,7 @@ def test_vendor_overwrites_an_earlier_copy_and_force(tmp_path):
 def test_report_imports_neither_transformers_nor_torch():
     """What keeps ``tfcompat report`` within a few seconds: every decision is read from transformers' files.
     torch is imported only where triton or flash-attn is installed (whether those import is the decision)."""
-    from tfcompat._probe import backends as _backends
+    from tfcompat._probe import backends as _backends  # private: the kernel choice is under test
 
     code = ("import sys; from tfcompat._tools import cli as _cli; rc = _cli.main(['report']); "
             "print('HEAVY', sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'})); "
@@ -229,7 +229,7 @@ def test_report_imports_neither_transformers_nor_torch():
 
 def test_report_output_to_a_folder_or_an_unwritable_path(tmp_path, capsys):
     """`--output` names a file: a folder, or a path that cannot be written, gets one line and exit 2."""
-    from tfcompat._tools.cli import main
+    from tfcompat._tools.cli import main  # private: the command, run in process
 
     assert main(["report", "--output", str(tmp_path)]) == 2
     assert "is a directory; pass a file path, e.g." in capsys.readouterr().err
@@ -254,7 +254,7 @@ def test_check_device_cuda_refuses_in_one_line_without_a_gpu():
 
 def test_check_device_plan_names_the_kernels_it_would_prove(capsys):
     """--plan needs no device: the kernels auto picks on CUDA here (from the kernel table) and the checks."""
-    from tfcompat._probe import backends as _backends
+    from tfcompat._probe import backends as _backends  # private: the kernel choice is under test
 
     code, out = check_here(capsys, "--device", "cuda", "--plan", "--family", "qwen2")
     assert code == 0
@@ -318,7 +318,7 @@ def test_check_device_an_unsupported_device_gets_one_line(device, plan, capsys):
     """A device string torch does not parse printed torch's raw RuntimeError (whose list suggests mps or meta);
     --plan printed a plan for mps and meta. Every one gets the same line, exit 2, in both modes."""
     capsys.readouterr()
-    from tfcompat._tools import cli as _cli
+    from tfcompat._tools import cli as _cli  # private: the command, run in process
 
     code = _cli.main(["check", "--device", device, "--family", "qwen2"] + (["--plan"] if plan else []))
     out = capsys.readouterr()
@@ -337,8 +337,8 @@ def test_check_device_line_names_the_kernel_that_ran():
     import torch
 
     import tfcompat
-    from tfcompat._kernels import table
-    from tfcompat._tools import check_cmd, device_checks
+    from tfcompat._kernels import table  # private: the kernel and proof table is under test
+    from tfcompat._tools import check_cmd, device_checks  # private: the command's pure decisions
 
     def check_with(factor):
         def fn():

@@ -355,7 +355,7 @@ def test_a_kernel_proven_before_compiling_is_the_op_the_graph_calls(monkeypatch)
     registered through torch.library on the CPU as the real one is); the fullgraph-compiled model over the
     collator's kwargs (cu_seq_lens, max_length) then calls that op in its forward and backward graphs, not SDPA,
     and compiled equals eager. Traced before any proof, the graph runs SDPA and a warning says to warm up."""
-    from tfcompat._kernels import (
+    from tfcompat._kernels import (  # private: the kernels' rooms are under test
         table,
         varlen,  # the kernels of packed attention (the room under test)
     )
@@ -482,7 +482,7 @@ def test_compiled_layers_call_the_kernel_proven_before_compiling(monkeypatch):
     ``tfcompat.warmup``: the layers' graphs call the proven kernel's registered op (the stand-in for torch's
     varlen_attn), not SDPA, and compiled equals eager, across steps of different boundaries; compiled before any
     proof, they run SDPA and a warning says to warm up (no proof is traced into the graph)."""
-    from tfcompat._kernels import (
+    from tfcompat._kernels import (  # private: the kernels' rooms are under test
         table,
         varlen,  # the kernels of packed attention (the room under test)
     )

@@ -51,7 +51,7 @@ def test_text_config_of_vision_language_config(name):
 @pytest.mark.parametrize("name", [n for n in ("llama", "qwen2", "qwen3") if n in FAMILIES])
 def test_scaled_rope_keys_and_theta(name):
     rot, _ = rotary(name)
-    from tfcompat._probe import resolve as _resolve
+    from tfcompat._probe import resolve as _resolve  # private: the resolutions are under test
 
     key = _resolve.resolve("rope.init", name).plan.config_key
     scaling = {"rope_type": "linear", "factor": 4.0}

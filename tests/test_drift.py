@@ -52,7 +52,7 @@ def test_drift_names_what_this_release_builds_otherwise(folder):
 def test_check_config_exits_2_naming_the_dropped_theta(capsys):
     """The CLI on the 5.24-saved theta: exit 2 with the record on 4.x (text and --json), before any check runs;
     on 5.x the file is read as written (its checks run in test_check_config's configs)."""
-    from tfcompat._tools.cli import main
+    from tfcompat._tools.cli import main  # private: the command, run in process
 
     if transformers_version().major != 4:
         pytest.skip("5.x reads rope_parameters: nothing drifts (test_drift_names_what_this_release_builds_otherwise)")
@@ -91,7 +91,7 @@ def test_vl_drift_sections_and_nested_text_config(folder):
     every file as written."""
     import importlib
 
-    from tfcompat._probe.families import family
+    from tfcompat._probe.families import family  # private: the family table's own look-up
 
     raw = json.load(open(os.path.join(folder, "config.json")))
     keys = {r.key for r in drift(folder)}
@@ -132,7 +132,7 @@ def test_sliding_window_drift_names_the_layers_this_release_windows(capsys):
     """A Qwen2 saved by 5.24 with a window of 4 on layer 1 only (`layer_types`): 4.51/4.52 window every layer
     (one mask for all); the record says so exactly where this release's own model (not the probe's tiny copy)
     windows other layers than the file, and `check --config` exits 2 naming it."""
-    from tfcompat._tools.cli import main
+    from tfcompat._tools.cli import main  # private: the command, run in process
 
     folder = os.path.join(os.path.dirname(__file__), "data", "checkpoints", "windows-qwen2-layer1--saved-by-5.24.0")
     windowed = _windowed_layers(folder)
@@ -189,7 +189,7 @@ def test_head_dim_drift_against_the_attention_upstream_builds(name, tmp_path):
     all (Qwen2-MoE on 4.57 raises), the one "itself cannot run" error."""
     from transformers import AutoConfig
 
-    from tfcompat._probe.families import family
+    from tfcompat._probe.families import family  # private: the family table's own look-up
     from tfcompat.errors import TfcompatError
     from tfcompat.testing import model_class, tiny_config
 
@@ -210,7 +210,7 @@ def test_head_dim_drift_against_the_attention_upstream_builds(name, tmp_path):
         with pytest.raises(TfcompatError, match="itself cannot run this config"):
             drift(str(tmp_path))
         return
-    from tfcompat._probe import resolve
+    from tfcompat._probe import resolve  # private: the resolutions are under test
 
     cls = getattr(resolve.resolve("attention.signature", name).target, family(name).attention)
     attention = next(m for m in model.modules() if isinstance(m, cls))  # 4.51: its sdpa subclass
@@ -317,8 +317,8 @@ def test_the_partial_rotary_readings_drift_assumes_are_this_releases():
     says reads_partial_rotary=False rotate the whole head wherever the key is, those with True read rope_parameters."""
     import tempfile
 
-    from tfcompat._probe import drift as probe
-    from tfcompat._probe.families import FAMILIES
+    from tfcompat._probe import drift as probe  # private: the drift checker itself is under test
+    from tfcompat._probe.families import FAMILIES  # private: the family table's own fields
     from tfcompat.testing import tiny_config
 
     from _helpers import installed

@@ -158,7 +158,7 @@ def test_attention_first_use_proof(dtype):
     import warnings
 
     import tfcompat
-    from tfcompat._kernels import table
+    from tfcompat._kernels import table  # private: the kernel and proof table is under test
 
     tfcompat.clear_cache()
     q, k, v, _ = _row(total=30)
@@ -259,7 +259,7 @@ def test_heads_the_kernels_do_not_take_are_not_a_failed_proof():
     import warnings
 
     import tfcompat
-    from tfcompat._kernels import table
+    from tfcompat._kernels import table  # private: the kernel and proof table is under test
 
     q, k, v, cu = _row(dim=8)
     assert calls.unfit_shapes(q, k, v) == ""
@@ -310,7 +310,7 @@ def test_the_device_checks_fp32_comparison_runs_without_tf32():
     H200 run: glm_ocr's vision patch-embedding gradients moved by 1.5e-4 of their scale under PyTorch's default
     cuDNN TF32, upstream's own model too; 1.0e-6 without), and restores the user's settings after; on the CPU
     nothing changes."""
-    from tfcompat._tools import device_checks
+    from tfcompat._tools import device_checks  # private: the device checks' plan, run without a GPU
 
     def flags():
         return torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
@@ -337,7 +337,7 @@ def test_every_device_side_check_message_fits_cuda():
     import pathlib
 
     import tfcompat
-    from tfcompat._step import traced
+    from tfcompat._step import traced  # private: the traced step's device-side checks are under test
 
     def text(node):
         if isinstance(node, ast.Constant):

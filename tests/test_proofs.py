@@ -207,7 +207,7 @@ TRITON = pytest.mark.skipif(not triton_ready(), reason="needs triton in its inte
 def test_rope_proof_under_inference_mode(context):
     """cos/sin from the rotary module under inference_mode are inference tensors: the proof clones them, the
     kernel serves the call and equals the composite, and a training call after it uses the kernel too."""
-    from tfcompat._kernels import rope_triton
+    from tfcompat._kernels import rope_triton  # private: the Triton kernel is the room under test
     from tfcompat.rope import apply_rope
 
     tfcompat.clear_cache()
@@ -282,7 +282,7 @@ def test_rope_kernel_in_a_checkpointed_first_training_step(mode, monkeypatch):
 def test_rope_launch_goes_to_the_tensors_device():
     """Several GPUs per process: the launch makes q's device current (Triton then launches on it and on its current
     stream). A CUDA device cannot be entered here; the context the launch enters is checked for each device."""
-    from tfcompat._kernels import rope_triton
+    from tfcompat._kernels import rope_triton  # private: the Triton kernel is the room under test
 
     ctx = rope_triton.launch_context(torch.device("cuda", 1))
     assert isinstance(ctx, torch.cuda.device) and ctx.idx == 1
@@ -340,7 +340,7 @@ def test_rope_proof_fails_a_kernel_wrong_in_one_part(wrong, monkeypatch):
     """The fused kernel replaced by one that is wrong only past token 8, only for the last head or only for the
     last batch row: the proof's slice covers those, so impl="triton" refuses it by name (the proof used to rotate
     batch row 0, tokens 0-7). An empty call is never a proof: it records nothing."""
-    from tfcompat._kernels import rope_triton
+    from tfcompat._kernels import rope_triton  # private: the Triton kernel is the room under test
     from tfcompat.config import rope_parameters
     from tfcompat.rope import apply_rope
 

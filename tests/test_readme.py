@@ -200,7 +200,7 @@ def _tox_envs():
 def test_shell_block_names_what_exists(block):
     """Each command line of a shell block: `tfcompat ...` parses with the command's own parser; a script run by
     python or torchrun exists; an extra installed exists in setup.cfg; `tox -e ENV` names an environment."""
-    from tfcompat._tools.cli import build_parser
+    from tfcompat._tools.cli import build_parser  # private: the command's own parser checks the shell blocks
 
     parser = build_parser()
     checked = 0

@@ -99,7 +99,7 @@ def test_every_config_model_type_of_the_release_maps_to_its_family():
     """Text configs carry odd spellings ('Glm4vMoe_text' in 4.5x); the lookup must accept them."""
     import importlib
 
-    from tfcompat._probe.families import family
+    from tfcompat._probe.families import family  # private: the family table's own look-up
 
     for name in installed():
         spec = SPECS[name]
@@ -261,7 +261,7 @@ def test_docstrings_name_modules_that_exist():
 def test_the_public_family_facts_are_the_tables():
     """tfcompat.testing.families(): every family the table knows (the installed ones by default), with the facts the
     tests and frameworks pick by, read from the family table."""
-    from tfcompat._probe.families import FAMILIES
+    from tfcompat._probe.families import FAMILIES  # private: the family table's own fields
     from tfcompat.testing import families
 
     assert list(families(installed_only=False)) == list(FAMILIES)

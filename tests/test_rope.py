@@ -224,7 +224,7 @@ def test_torch_compile_fullgraph(name):
 def test_explicit_triton_under_compile_says_the_composite_ran(name):
     """impl="triton" traced by torch.compile runs the composite (the compiler fuses it): said by a warning at trace
     time, with no graph break, and the numbers are upstream's (the kernel is never launched inside a graph)."""
-    from tfcompat._step import rotation
+    from tfcompat._step import rotation  # private: the rotation's kernel choice is under test
     from tfcompat.rope import prepare
 
     config, cos, sin, q, k, g = _inputs(name, 2, 9, torch.float32, 1, seed=7)
@@ -286,7 +286,7 @@ def test_composite_dispatches_few_ops_and_no_host_sync(name):
 @pytest.mark.skipif(not triton_ready(), reason="needs triton in its interpreter (TRITON_INTERPRET=1) or a GPU")
 @pytest.mark.parametrize("name", FAMILIES)
 def test_triton_is_one_launch_each_way(name):
-    from tfcompat._kernels import rope_triton
+    from tfcompat._kernels import rope_triton  # private: the Triton kernel is the room under test
 
     config, cos, sin, q, k, _ = _inputs(name, 2, 9, torch.bfloat16, 1, seed=8)
     q.requires_grad_(True)
@@ -318,7 +318,7 @@ def test_q_and_k_of_different_batches_equal_upstream(qb, kb):
 def test_triton_launch_refuses_what_it_cannot_index():
     """The launch checks shapes, dtypes and devices itself: no call reaches the kernel with sizes it would
     read or write out of bounds, whoever calls it."""
-    from tfcompat._kernels import rope_triton
+    from tfcompat._kernels import rope_triton  # private: the Triton kernel is the room under test
     from tfcompat.errors import RopeShapeError
 
     name = next(n for n in FAMILIES if not SPECS[n].vision)
@@ -358,7 +358,7 @@ def test_auto_is_device_aware():
 @pytest.mark.parametrize("name", [n for n in installed() if SPECS[n].nope])
 def test_nope_families_refuse_rope_by_name(name):
     """A decoder without rotary (GLM-5-Next): nothing to rotate, no RoPE parameters; report says so."""
-    from tfcompat._probe import resolve as _resolve
+    from tfcompat._probe import resolve as _resolve  # private: the resolutions are under test
     from tfcompat.errors import ConfigError
     from tfcompat.testing import tiny_config
 
@@ -448,7 +448,7 @@ def test_triton_gpu_tile_matches_upstream_interpreted(name, monkeypatch):
     it runs the GPU's own tile (tools/compile_proof.py proves that one compiles without spills), forward and
     backward, bf16, in place and not, on every kernel shape: the rows split over many programs, a partial last
     program and a partial-rotary tail copied in chunks."""
-    from tfcompat._kernels import rope_triton
+    from tfcompat._kernels import rope_triton  # private: the Triton kernel is the room under test
 
     monkeypatch.setattr(rope_triton, "_INTERPRETER_PAIRS", rope_triton._PAIRS)
     dtype, layout = torch.bfloat16, 2
@@ -492,6 +492,7 @@ def test_triton_first_use_proof_refuses_a_broken_kernel(how, monkeypatch):
     import warnings
 
     from tfcompat import clear_cache
+    # private: the Triton kernel and its proofs are under test
     from tfcompat._kernels import rope_proof, rope_triton, table
     from tfcompat.errors import TfcompatError
 
@@ -519,7 +520,7 @@ def test_triton_first_use_proof_refuses_a_broken_kernel(how, monkeypatch):
 @pytest.mark.skipif(not triton_ready(), reason="needs triton in its interpreter (TRITON_INTERPRET=1)")
 def test_triton_first_use_proof_runs_once_per_layout():
     from tfcompat import clear_cache
-    from tfcompat._kernels import rope_triton, table
+    from tfcompat._kernels import rope_triton, table  # private: the Triton kernel and its proofs are under test
 
     clear_cache()
     config, cos, sin, q, k, _ = _inputs("glm4", 2, 9, torch.bfloat16, 2, seed=4)
@@ -539,7 +540,7 @@ def test_triton_first_use_proof_under_generation_modes(mode):
     """generate() runs under no_grad, serving stacks under inference_mode: the proof (which differentiates its
     slice) passes there, and the call computes what upstream does."""
     from tfcompat import clear_cache
-    from tfcompat._kernels import table
+    from tfcompat._kernels import table  # private: the kernel and proof table is under test
 
     clear_cache()
     config, cos, sin, q, k, _ = _inputs("qwen2", 1, 5, torch.float32, 1, seed=5)
@@ -668,7 +669,7 @@ def test_rope_triton_per_layer_calls(monkeypatch):
     host code (before: 24, the plan re-made per layer). The kernel's own body, which the interpreter runs as Python
     where a GPU runs it compiled, is not host code and is not counted."""
     import tfcompat
-    from tfcompat._kernels import rope_triton
+    from tfcompat._kernels import rope_triton  # private: the Triton kernel is the room under test
     from tfcompat.packing import pack
     from tfcompat.testing import tiny_model, tiny_sequence
 

@@ -121,7 +121,7 @@ def _upstream_or_skip(name, config):
 
     import torch
 
-    from tfcompat._probe.families import family
+    from tfcompat._probe.families import family  # private: the family table's own look-up
 
     module = importlib.import_module(family(name).modeling)
     classes = [c for c in vars(module).values() if isinstance(c, type) and getattr(c, "config_class", None) is
@@ -141,7 +141,7 @@ def _tester_model_type(path):
 
 
 def test_every_served_family_has_a_tester_config():
-    from tfcompat._probe.families import FAMILIES
+    from tfcompat._probe.families import FAMILIES  # private: the family table's own fields
 
     have = {p.stem.split("--")[0] for p in TESTERS}
     assert have == set(FAMILIES), sorted(set(FAMILIES) ^ have)

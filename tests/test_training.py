@@ -818,8 +818,8 @@ def test_per_layer_calls_on_the_gpu_kernels(kind, monkeypatch):
     stand-ins registered where tfcompat looks the real ones up and the kernel chosen for these CPU tensors: the
     step binds the proven kernel once, so a layer makes no more calls than on the SDPA path (at most 12; before
     the step bound its call: 15 and 16)."""
-    from tfcompat._kernels import table
-    from tfcompat._kernels import varlen as kernels
+    from tfcompat._kernels import table  # private: the kernel and proof table is under test
+    from tfcompat._kernels import varlen as kernels  # private: stand-in kernels are registered where it looks them up
 
     seen = []
 

@@ -36,7 +36,7 @@ def test_no_module_imports_the_package_absolutely():
 def test_the_family_table_is_the_only_place_a_family_is_named():
     """Behaviour keyed on a family is a field of its table entry: no other module of the package holds a
     family's name or alias in code (docstrings may, for runnable examples)."""
-    from tfcompat._probe.families import FAMILIES
+    from tfcompat._probe.families import FAMILIES  # private: the family table's own fields
 
     names = {n for f in FAMILIES.values() for n in (f.name, *f.aliases)}
     offenders = []
