@@ -492,8 +492,7 @@ def test_triton_first_use_proof_refuses_a_broken_kernel(how, monkeypatch):
     import warnings
 
     from tfcompat import clear_cache
-    # private: the Triton kernel and its proofs are under test
-    from tfcompat._kernels import rope_proof, rope_triton, table
+    from tfcompat._kernels import rope_proof, rope_triton, table  # private: the kernel and its proofs
     from tfcompat.errors import TfcompatError
 
     name = "qwen2"
