@@ -6,7 +6,6 @@ itself and the rooms below it, counting module-level imports and imports inside 
 and the longest chain of imports (the floors) is what docs/design.md states, at most 7 for the package without the
 tools, counted both ways. No cycle either way."""
 
-import ast
 import functools
 import pathlib
 import re
@@ -22,28 +21,11 @@ DESIGN = pathlib.Path(__file__).resolve().parents[1] / "docs" / "design.md"
 
 
 def _module_graph(function_level=True):
-    """Each module's relative imports: at module level only (``function_level=False``: the body, with its ``if`` and
-    ``try`` blocks), or anywhere in the file, inside functions too."""
-    graph = {}
-    for path in ROOT.rglob("*.py"):
-        rel = path.relative_to(ROOT).with_suffix("").parts
-        name = ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        tree = ast.parse(path.read_text())
-        nodes = ast.walk(tree) if function_level else [
-            n for top in tree.body if not isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-            for n in ast.walk(top)]
-        deps = set()
-        for node in nodes:
-            if isinstance(node, ast.ImportFrom) and node.level:
-                base = package.split(".") if package else []
-                base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
-                target = ".".join(base + ([node.module] if node.module else []))
-                for alias in node.names:
-                    sub = f"{target}.{alias.name}".lstrip(".")
-                    deps.add(sub if (ROOT / pathlib.Path(*sub.split("."))).with_suffix(".py").exists() else target)
-        graph[name] = deps - {name}
-    return {k: {d for d in v if d in graph} for k, v in graph.items()}
+    """Each module's relative imports, at module level only or inside functions too: the reader ``tfcompat vendor
+    --only`` computes a layer's closure with (one reader; what it reads is asserted below against the rooms)."""
+    from tfcompat._tools.vendor import module_graph  # private: the one module-graph reader
+
+    return module_graph(str(ROOT), function_level)
 
 
 def room(module):

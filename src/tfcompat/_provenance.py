@@ -5,12 +5,14 @@ vendored copy or a wheel names its commit after it has left the repository; a gi
 Imports nothing of the package (the version is read from the package object, always loaded first).
 """
 
+import functools
 import os
 
 #: set in a vendored copy or a built wheel: (commit, date, how it was made); None in the repository itself
 STAMP = None
 
 
+@functools.lru_cache(maxsize=None)
 def _checkout_commit(package_dir):
     """The commit of the checkout this package folder sits in (``src/tfcompat`` of tfcompat's own repository),
     or None: never the commit of some other repository a copy happens to lie in."""

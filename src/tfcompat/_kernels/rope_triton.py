@@ -279,7 +279,8 @@ def _launch(q, k, qo, ko, cos, sin, layout, seq_dim, inverse, plans=None):
     same (a step's rotation, every layer): the plan is made by the first call and reused for outputs of the same
     strides, with only the tensors swapped in."""
     global launches
-    key = (qo.stride(), ko.stride(), inverse) if plans is not None else None
+    # q's device too: a layer on another device (device_map="auto") gets its own plan, checked by _plan
+    key = (q.device, qo.stride(), ko.stride(), inverse) if plans is not None else None
     kept = plans.get(key) if plans is not None else None
     if kept is None:
         grid, args, meta = _plan(q, k, qo, ko, cos, sin, layout, seq_dim, inverse)

@@ -86,9 +86,10 @@ def _what(only, skip):
     return "without its tools (--no-tools)" if skip else "with its tools"
 
 
-def module_graph(source):
+def module_graph(source, function_level=True):
     """Each module of the package at ``source`` (dotted, relative: "" the package, "_step.patch") and the modules it
-    imports relatively, anywhere in its file (inside functions too), read with ast."""
+    imports relatively, read with ast: anywhere in its file, inside functions too, or (``function_level=False``)
+    at module level only (the body with its ``if`` and ``try`` blocks). ``tests/test_rooms.py`` reads it too."""
     graph = {}
     for folder, dirs, files in os.walk(source):
         dirs[:] = [d for d in dirs if d != "__pycache__"]
@@ -102,7 +103,10 @@ def module_graph(source):
             deps = set()
             with open(path) as fh:
                 tree = ast.parse(fh.read())
-            for node in ast.walk(tree):
+            nodes = ast.walk(tree) if function_level else [
+                n for top in tree.body if not isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                for n in ast.walk(top)]
+            for node in nodes:
                 if isinstance(node, ast.ImportFrom) and node.level:
                     base = package.split(".") if package else []
                     base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
