@@ -61,7 +61,7 @@ def main():
         for window in (None, 64):
             args, kwargs = calls.torch_call(q, k, v, cu, 511, causal=True, scale=64 ** -0.5, window=window,
                                             params=_kv._choice.torch_varlen_params())
-            out = _kv._torch_varlen()(*args, **kwargs)
+            out = _kv._choice.torch_varlen()(*args, **kwargs)
             failures += against_fallback(f"torch varlen_attn (window {window})", out, window)
     else:
         print("[skip] this torch has no torch.nn.attention.varlen")
@@ -146,8 +146,8 @@ def piece_alignment(dev):
         import inspect
 
         # enable_gqa where the installed varlen_attn takes it (2.13); 2.11's shares kv heads itself
-        gqa = {"enable_gqa": True} if "enable_gqa" in inspect.signature(_kv._torch_varlen()).parameters else {}
-        kernels["torch varlen_attn (window (-1, 0))"] = lambda: _kv._torch_varlen()(
+        gqa = {"enable_gqa": True} if "enable_gqa" in inspect.signature(_kv._choice.torch_varlen()).parameters else {}
+        kernels["torch varlen_attn (window (-1, 0))"] = lambda: _kv._choice.torch_varlen()(
             q, k, v, cu_q, cu_k, 300, 700, scale=64 ** -0.5, window_size=(-1, 0), **gqa)
     failures = 0
     for label, run in kernels.items():

@@ -361,7 +361,7 @@ def test_a_kernel_proven_before_compiling_is_the_op_the_graph_calls(monkeypatch)
     )
 
     monkeypatch.setattr(varlen, "_kind", lambda q, dropout_p: "torch_varlen")
-    monkeypatch.setattr(varlen, "_torch_varlen", lambda: _stand_in_varlen_attn)
+    monkeypatch.setattr(varlen._choice, "torch_varlen", lambda: _stand_in_varlen_attn)
     monkeypatch.setattr(table, "SAID", set())
     name = WHOLE[0]
 
@@ -464,7 +464,7 @@ def test_the_flash_attn_call_traces_once_looked_up(monkeypatch):
         seen.append(sorted(kwargs))
         return q * 2
 
-    monkeypatch.setattr(varlen, "_FLASH_VARLEN", stand_in)
+    monkeypatch.setattr(varlen._choice, "_FLASH", stand_in)
     q, k = torch.randn(16, 4, 32), torch.randn(16, 2, 32)
     cu = torch.tensor([0, 8, 16], dtype=torch.int32)
     torch._dynamo.reset()
@@ -488,7 +488,7 @@ def test_compiled_layers_call_the_kernel_proven_before_compiling(monkeypatch):
     )
 
     monkeypatch.setattr(varlen, "_kind", lambda q, dropout_p: "torch_varlen")
-    monkeypatch.setattr(varlen, "_torch_varlen", lambda: _stand_in_varlen_attn)
+    monkeypatch.setattr(varlen._choice, "torch_varlen", lambda: _stand_in_varlen_attn)
     monkeypatch.setattr(table, "SAID", set())
 
     def run(compiled, warm=True):

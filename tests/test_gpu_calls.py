@@ -13,7 +13,7 @@ import torch
 from packaging.version import Version
 
 from tfcompat._kernels import attention_calls as calls  # private: the calling conventions are the room under test
-from tfcompat._kernels import attention_proof as proofs  # private: the first-use proofs are the room under test
+from tfcompat._kernels import varlen_choice as proofs  # private: the first-use proofs are the room under test
 from tfcompat._kernels.varlen import _sdpa_fallback  # private: the exact path the proofs compare against
 from tfcompat._probe import backends as _backends  # private: the kernel choice per machine is under test
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import tfcompat
-from tfcompat._kernels import attention_proof as proofs  # private: the first-use proofs are the room under test
 from tfcompat._kernels import table  # private: the proof table is under test
+from tfcompat._kernels import varlen_choice as proofs  # private: the first-use proofs are the room under test
 from tfcompat._kernels.varlen import _sdpa_fallback  # private: the exact path the proofs compare against
 from tfcompat.errors import TfcompatError
 

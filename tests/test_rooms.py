@@ -3,8 +3,8 @@ itself and the rooms below it, counting module-level imports and imports inside 
 
     base (errors, version, _provenance) < _kernels < _probe < _step < the public face < _tools
 
-and the longest chain of imports (the floors) is what docs/design.md states, at most 7 for the package without the
-tools, counted both ways. No cycle either way."""
+and the longest chain of imports (the floors) is what the README and docs/design.md state, at most 7 for the package
+without the tools, counted both ways. No cycle either way."""
 
 import functools
 import pathlib
@@ -17,7 +17,7 @@ import tfcompat
 ROOT = pathlib.Path(tfcompat.__file__).parent
 ORDER = ("base", "_kernels", "_probe", "_step", "public", "_tools")
 BASE = {"errors", "version", "_provenance"}
-DESIGN = pathlib.Path(__file__).resolve().parents[1] / "docs" / "design.md"
+DOCS = tuple(pathlib.Path(__file__).resolve().parents[1] / name for name in ("README.md", "docs/design.md"))
 
 
 def _module_graph(function_level=True):
@@ -89,14 +89,42 @@ def test_room_rules():
     assert not bad, bad
 
 
-def test_floors_are_what_the_design_states():
-    """docs/design.md states the floors; the package's stay at most 7 counted either way."""
-    text = " ".join(DESIGN.read_text().split())
-    stated = re.search(r"Import floors[^:]*: (\d+) counting module-level imports and (\d+) with the ones inside "
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_floors_are_what_the_docs_state(doc):
+    """The README and docs/design.md state the floors; the package's stay at most 7 counted either way."""
+    text = " ".join(doc.read_text().split())
+    stated = re.search(r"[Ii]mport floors[^:]*: (\d+) counting module-level imports and (\d+) with the ones inside "
                        r"functions, for the package; (\d+) and (\d+) with the tools", text)
-    assert stated, "docs/design.md no longer states the floors in its sentence"
+    assert stated, f"{doc.name} no longer states the floors in its sentence"
     module, function, module_tools, function_tools = map(int, stated.groups())
     got = (max(floors(_module_graph(False), False).values()), max(floors(_module_graph(True), False).values()),
            max(floors(_module_graph(False), True).values()), max(floors(_module_graph(True), True).values()))
     assert got == (module, function, module_tools, function_tools), got
     assert module <= 7 and function <= 7
+
+
+def test_no_code_branches_on_a_kernels_name():
+    """Each row of the kernel table carries its ``available()``, its call and its proof, so no code compares a
+    packed-attention kernel's name to pick what to do (``if kind == "flash_attn"``): read with ``ast`` over the
+    package, save the tools (which print per kernel) and the public ``flash_attn_available``, whose question is
+    the name itself."""
+    import ast
+
+    names = {"flash_attn", "torch_varlen", "sdpa"}
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("_tools/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
+                                                     for op in node.ops):
+                consts = {c.value for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)}
+                consts |= {e.value for c in node.comparators if isinstance(c, (ast.Tuple, ast.Set, ast.List))
+                           for e in c.elts if isinstance(e, ast.Constant)}
+                if "eager" in consts:  # transformers' attn_implementation names, not the table's kernels
+                    continue
+                if consts & names and not (rel == "varlen.py" and "flash_attn" in consts
+                                           and isinstance(node.left, ast.Call)):
+                    found.append(f"{rel}:{node.lineno}")
+    assert not found, f"code branching on a kernel's name (give the row the behaviour instead): {found}"

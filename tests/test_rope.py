@@ -224,7 +224,7 @@ def test_torch_compile_fullgraph(name):
 def test_explicit_triton_under_compile_says_the_composite_ran(name):
     """impl="triton" traced by torch.compile runs the composite (the compiler fuses it): said by a warning at trace
     time, with no graph break, and the numbers are upstream's (the kernel is never launched inside a graph)."""
-    from tfcompat._step import rotation  # private: the rotation's kernel choice is under test
+    from tfcompat._kernels import rotation  # private: the rotation's kernel choice is under test
     from tfcompat.rope import prepare
 
     config, cos, sin, q, k, g = _inputs(name, 2, 9, torch.float32, 1, seed=7)

@@ -818,8 +818,11 @@ def test_per_layer_calls_on_the_gpu_kernels(kind, monkeypatch):
     stand-ins registered where tfcompat looks the real ones up and the kernel chosen for these CPU tensors: the
     step binds the proven kernel once, so a layer makes no more calls than on the SDPA path (at most 12; before
     the step bound its call: 15 and 16)."""
-    from tfcompat._kernels import table  # private: the kernel and proof table is under test
-    from tfcompat._kernels import varlen as kernels  # private: stand-in kernels are registered where it looks them up
+    from tfcompat._kernels import (
+        table,  # private: the kernel and proof table is under test
+        varlen_choice,  # private: stand-in kernels are registered where the rows look them up
+    )
+    from tfcompat._kernels import varlen as kernels  # private: the kernel chosen for CPU tensors is set here
 
     seen = []
 
@@ -828,9 +831,9 @@ def test_per_layer_calls_on_the_gpu_kernels(kind, monkeypatch):
         return kind
 
     monkeypatch.setattr(kernels, "_kind", chosen)
-    monkeypatch.setattr(kernels, "_FLASH_VARLEN", _stand_in_flash)
-    monkeypatch.setattr(kernels, "_torch_varlen", lambda: _stand_in_torch)
-    monkeypatch.setattr(kernels, "_torch_takes_gqa", lambda: True)
+    monkeypatch.setattr(varlen_choice, "_FLASH", _stand_in_flash)
+    monkeypatch.setattr(varlen_choice, "torch_varlen", lambda: _stand_in_torch)
+    monkeypatch.setattr(varlen_choice, "torch_takes_gqa", lambda: True)
     try:
         per_layer, counts = _per_layer("qwen2")
         proven = [r for r in table.proven() if r.get("kernel") == kind]

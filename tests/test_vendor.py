@@ -272,3 +272,31 @@ def test_the_patch_layer_trains_a_packed_row(tmp_path):
         "pk = pack(ids, mask)\n"
         "got = model(input_ids=pk.input_ids, position_ids=pk.position_ids).logits[0]\n"
         "assert (got - want).abs().max() < 1e-4, (got - want).abs().max()\n"))
+
+
+def _copy_size(dest):
+    files = [p for p in dest.rglob("*.py") if "__pycache__" not in p.parts]
+    return len(files), sum(len(p.read_text().splitlines()) for p in files)
+
+
+def test_the_readme_gives_each_layers_size(tmp_path):
+    """The README's size of each `vendor --only` layer and of the whole package (files and lines of Python the copy
+    holds) is what the command copies now: files exactly, lines within 2% (edits move them a little; a moved
+    room moves them more)."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    stated = {m.group(1): (int(m.group(2)), int(m.group(3).replace(",", ""))) for m in
+              re.finditer(r"`--only (rope|config|patch)` \((\d+) files, ([\d,]+) lines", text)}
+    whole = re.search(r"the whole package: (\d+) files, ([\d,]+) lines", text)
+    assert set(stated) == {"rope", "config", "patch"} and whole, "the README no longer gives the layers' sizes"
+    stated["whole"] = (int(whole.group(1)), int(whole.group(2).replace(",", "")))
+    got = {}
+    for layer in ("rope", "config", "patch", "whole"):
+        dest = tmp_path / layer / "tfcompat"
+        extra = ["--only", layer] if layer != "whole" else []
+        out = subprocess.run([sys.executable, "-m", "tfcompat", "vendor", str(dest), *extra], capture_output=True,
+                             text=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), timeout=120)
+        assert out.returncode == 0, out.stderr
+        got[layer] = _copy_size(dest)
+    off = {layer: (stated[layer], got[layer]) for layer in got
+           if stated[layer][0] != got[layer][0] or abs(stated[layer][1] - got[layer][1]) > 0.02 * got[layer][1]}
+    assert not off, f"README (files, lines) vs the copies: {off}"

@@ -27,8 +27,6 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Optional
 
-from ._probe.rope_index import _rope_index_method, _splits_frames_of, rope_index  # noqa: F401 (public here)
-from ._probe.tokens import _served, mm_token_type_ids  # noqa: F401 (public here)
 from ._step.dummy import (  # noqa: F401  (public here: the vision outputs and the dummy towers the step runs)
     _tie_function,
     _vl_model,
@@ -39,6 +37,8 @@ from ._step.dummy import (  # noqa: F401  (public here: the vision outputs and t
     tie_zero,
     unpack_visual_output,
 )
+from ._step.rope_index import _rope_index_method, _splits_frames_of, rope_index  # noqa: F401 (public here)
+from ._step.tokens import _served, mm_token_type_ids  # noqa: F401 (public here)
 from .errors import EmbedsError
 
 if TYPE_CHECKING:

@@ -94,7 +94,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: Op
 
 def _check_vision_positions(config, input_ids, mask, position_ids):
     from ._probe.families import family
-    from ._probe.tokens import mm_token_type_ids
+    from ._step.tokens import mm_token_type_ids
 
     if not family(config).vision:
         return

@@ -39,10 +39,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from ._kernels.choice import impl_for
+from ._kernels.rotation import IMPLS, Rotation, chosen_impl, impl_for, upstream
 from ._probe import resolve as _resolve
 from ._probe.families import family as _family
-from ._step.rotation import IMPLS, Rotation, chosen_impl, upstream
 from .errors import ConfigError, RopeShapeError
 
 if TYPE_CHECKING:
@@ -262,7 +261,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         if dq != torch.promote_types(torch.promote_types(k.dtype, cos.dtype), sin.dtype):
             return upstream(res, q, k, cos, sin, section, unsqueeze_dim)
         q, k, cos, sin = q.to(dq), k.to(dq), cos.to(dq), sin.to(dq)
-    return Rotation(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, False, chosen)(q, k)
+    return Rotation(q, k, cos, sin, fam.name, res, seq_dim, unsqueeze_dim, section, False, chosen)(q, k)
 
 
 _SHARED: dict = {}
@@ -325,4 +324,4 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
                                  f"be rotated in place; use apply_rope, or pass the projection output")
     if chosen == "upstream":
         return upstream(res, q, k, cos, sin, section, unsqueeze_dim)
-    return Rotation(q, k, cos, sin, fam, res, seq_dim, unsqueeze_dim, section, True, chosen)(q, k)
+    return Rotation(q, k, cos, sin, fam.name, res, seq_dim, unsqueeze_dim, section, True, chosen)(q, k)

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from ._kernels.cu import check_cu_seqlens, check_longest, restarts
-from ._kernels.varlen import _HALF, _kind, _varlen  # noqa: F401  (the kernels, below the face)
+from ._kernels.varlen import _HALF, _ROWS, _kind, _varlen  # noqa: F401  (the kernels, below the face)
 from ._probe import backends as _backends
 from .errors import PackingError
 
@@ -121,7 +121,7 @@ def reads_bounds(kind: str, cu_device: str, max_seqlen: Optional[int]) -> bool:
     both as they are, and the boundaries are checked on the device (:func:`assert_cu_on_device`). The SDPA
     path splits the row by Python ints, and without ``max_seqlen`` the longest sequence must be read; boundaries
     on the CPU are read for free and checked with a clear error."""
-    return kind == "sdpa" or cu_device != "cuda" or max_seqlen is None
+    return not _ROWS[kind].gpu or cu_device != "cuda" or max_seqlen is None
 
 
 def assert_cu_on_device(cu_seqlens: torch.Tensor, total: int, max_seqlen: int) -> None:

@@ -150,6 +150,10 @@ def source_signature(path, name):
     return signature((tuple(head), defaults, tuple(x.arg for x in a.kwonlyargs)))
 
 
+#: the keywords each kernel's call passes, by the row's name
+_NEEDS = {"flash_attn": _FLASH_NEEDS, "torch_varlen": _TORCH_NEEDS}
+
+
 def fits(fn, kind):
     """Why tfcompat's call does not fit ``fn``'s real signature ('' when it does): the seven leading positional
     parameters and the keywords the call passes. ``kind``: "flash_attn" or "torch_varlen"."""
@@ -162,7 +166,7 @@ def fits(fn, kind):
     if len(positional) < 7 or any(p.default is not _P.empty for p in positional[:7]):
         return f"it does not take the 7 leading positional arguments (q, k, v, cu_q, cu_k, max_q, max_k): {sig}"
     names = {p.name for p in params[7:] if p.kind != _P.VAR_POSITIONAL}
-    needs = _FLASH_NEEDS if kind == "flash_attn" else _TORCH_NEEDS
+    needs = _NEEDS[kind]
     missing = [n for n in needs if n not in names]
     if missing:
         return f"it takes no {', '.join(missing)} keyword (signature {sig})"

@@ -1,9 +1,10 @@
-"""One table of the kernels tfcompat runs, and the proof each GPU kernel gives on first use.
+"""The kernel table's row, and the proof each GPU kernel gives on first use.
 
-Every RoPE implementation and packed-attention kernel is a row: the operation, its name, the devices ``auto``
-picks it on, the dtypes it serves there, its priority, and whether it is a GPU kernel that must prove itself
-before it serves. ``_backends`` adds availability (what is installed and fits) and selects from it; ``report``
-lists its rows.
+Every RoPE implementation and packed-attention kernel is a row (:class:`Impl`): the operation, its name, the
+devices ``auto`` picks it on, the dtypes it serves there, its priority, whether it is a GPU kernel that must prove
+itself before it serves, and the row's own ``available()``, call and proof, so no caller branches on a kernel's
+name. The rows live beside each op's choice (``rotation``, ``varlen_choice``); ``choice`` reads them all for
+``report``; :func:`pick` selects from them.
 
 First use proves the kernel: the first time a GPU kernel would serve a (kernel, device, dtype, layout) in this
 process, it runs once on a small slice of the real inputs beside the proven path (the composite RoPE, the exact
@@ -14,16 +15,22 @@ costs one dictionary look-up a call. Pure tensor code: nothing here reads transf
 """
 
 import contextlib
+import functools
+import importlib.util
+import os
 import threading
 import time
 import warnings
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
-__all__ = ["Impl", "TABLE", "rows", "first_use", "passed", "proven", "forget", "blocked", "isolated", "say_once",
-           "say_traced"]
+__all__ = ["Impl", "installed", "torch_ships", "pick", "first_use", "passed", "proven", "forget", "blocked", "isolated",
+           "say_once", "say_traced"]
 
 
 class Impl(NamedTuple):
+    """One row: what the kernel is, where ``auto`` picks it, and what it does there. The rows live beside their
+    kernels' choice (``rotation.ROWS``, ``varlen_choice.ROWS``); :func:`choice.rows` reads both."""
+
     op: str  # "rope" or "varlen"
     name: str
     devices: tuple  # where ``auto`` may pick it ("*": every device)
@@ -31,23 +38,37 @@ class Impl(NamedTuple):
     priority: int  # higher first
     gpu: bool  # a GPU kernel: proves itself on first use
     note: str
+    dropout: bool = True  # serves attention dropout (torch's varlen_attn takes none)
+    available: Callable[[], str] = lambda: ""  # why it cannot run on this machine ('' when it can), decided once
+    call: Optional[Callable] = None  # the kernel's call (varlen GPU rows: the library function and its arguments)
+    proof: Optional[Callable] = None  # its first-use proof (GPU rows)
 
 
-TABLE = (
-    Impl("rope", "triton", ("cuda",), None, 30, True, "one fused Triton launch for q and k, forward and backward"),
-    Impl("rope", "native", ("cpu",), None, 20, False, "sliced in-cache kernels"),
-    Impl("rope", "composite", ("*",), None, 10, False, "10-14 tensor ops; what torch.compile traces"),
-    Impl("rope", "upstream", (), None, 0, False, "the installed transformers' own function (explicit only)"),
-    Impl("varlen", "flash_attn", ("cuda",), ("float16", "bfloat16"), 30, True, "flash_attn_varlen_func"),
-    Impl("varlen", "torch_varlen", ("cuda",), ("float16", "bfloat16"), 20, True,
-         "torch.nn.attention.varlen.varlen_attn (no dropout)"),
-    Impl("varlen", "sdpa", ("*",), None, 0, False, "exact: one fused SDPA call per sequence"),
-)
+def installed(package):
+    """Whether a top-level package is installed (found on the path, not imported)."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
 
 
-def rows(op):
-    """The table's rows for one operation, highest priority first."""
-    return sorted((r for r in TABLE if r.op == op), key=lambda r: -r.priority)
+@functools.lru_cache(maxsize=None)
+def torch_ships(path):
+    """Whether the installed torch has the file ``path`` (relative to its package), read without importing it."""
+    spec = importlib.util.find_spec("torch")
+    return bool(spec and spec.origin) and os.path.exists(os.path.join(os.path.dirname(spec.origin), path))
+
+
+def pick(rows, kind, dtype, dropout):
+    """The name of the first of ``rows`` (highest priority first) that serves (device kind, dtype name, dropout)
+    and can run here (its ``available()``); every op's rows end in a "*" row."""
+    for row in rows:
+        if not ("*" in row.devices or kind in row.devices) or (row.dtypes and dtype not in row.dtypes):
+            continue
+        if (dropout and not row.dropout) or row.available():
+            continue
+        return row.name
+    raise AssertionError(f"the kernel table has no fallback on {kind}")
 
 
 # (op, name, device, key) -> {"ok", "max_abs_diff", "tolerance", "seconds", "error", "warned", "mode"}

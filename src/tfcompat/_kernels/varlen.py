@@ -10,24 +10,12 @@ import functools
 
 import torch
 
-from ..errors import TfcompatError
-from . import attention_proof as proofs
-from . import choice as _choice
+from . import varlen_choice as _choice
 from .cu import check_cu_seqlens
 
 _HALF = (torch.float16, torch.bfloat16)
-
-
-@functools.lru_cache(maxsize=None)
-def _torch_varlen():
-    """PyTorch's ``varlen_attn`` (torch 2.10+), imported on first use: importing it loads torch._dynamo
-    (~2 s), which ``report`` and CPU runs need not pay; whether torch ships it is read from its files."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except Exception as exc:
-        raise TfcompatError(f"varlen_attention: torch {torch.__version__} ships torch.nn.attention.varlen but it "
-                            f"does not import ({exc}); repair the torch install") from None
-    return varlen_attn
+#: the kernel table's packed-attention rows by name (each carries its available(), call and proof)
+_ROWS = _choice.BY_NAME
 
 
 def _kind(q, dropout_p):
@@ -35,29 +23,35 @@ def _kind(q, dropout_p):
     return _choice.varlen_kernel(dropout_p != 0.0) if q.is_cuda and q.dtype in _HALF else "sdpa"
 
 
+def _gpu_row(q, k, v, dropout_p):
+    """The GPU row that would serve q, k, v (None: the SDPA path): the chosen kernel, unless the heads are ones
+    the kernels do not take (the exact path then, not a failed proof: nothing to report)."""
+    row = _ROWS[_kind(q, dropout_p)]
+    if not row.gpu:
+        return None
+    from . import attention_calls as calls
+
+    return None if calls.unfit_shapes(q, k, v) else row
+
+
 def _varlen(q, k, v, cu_seqlens, bounds, max_seqlen, *, causal, softmax_scale, window, dropout_p):
     """Validated inputs: ``bounds`` are cu_seqlens as Python ints (computed once per step by the caller), or None
     where a GPU kernel takes them from the device unread (:func:`reads_bounds`; read here only if the kernel
-    cannot serve the call after all). Every patched attention layer calls this: CPU tensors go straight to the
-    SDPA path (no helper calls)."""
-    kind = _kind(q, dropout_p)
-    if kind != "sdpa":
-        from . import attention_calls as calls
-
-        if calls.unfit_shapes(q, k, v):
-            kind = "sdpa"  # heads the kernels do not take: the exact path, not a failed proof (nothing to report)
-    if kind != "sdpa":
+    cannot serve the call after all). What ``tfcompat.varlen_attention`` and compiled layers call (eager
+    layers call what :func:`bound` returned)."""
+    row = _gpu_row(q, k, v, dropout_p)
+    if row is not None:
         # no host sync: cu goes to the device as int32 (the kernels' documented dtype), max_seqlen is the Python
         # int computed once per step. First use in this process proves the kernel against the SDPA path on a
         # piece of this call's tensors (_prove_gpu); after it, one set look-up a call. A kernel that fails the
         # proof is not used (one warning).
         if torch.compiler.is_compiling():  # a compiled layer: the kernel proven before tracing, as its op
-            ready = _proven_before_tracing(kind, q, k, causal, window)  # kind and shapes checked above
+            ready = _proven_before_tracing(row.name, q, k, causal, window)  # kind and shapes checked above
         else:
-            ready = proofs.passed(kind, q, k, causal, window) or _prove_gpu(kind, q, k, v, causal, softmax_scale,
-                                                                           window)
+            ready = _choice.passed(row.name, q, k, causal, window) or _prove_gpu(row, q, k, v, causal, softmax_scale,
+                                                                               window)
         if ready:
-            return _gpu_call(kind, q, k, v, cu_seqlens.to(device=q.device, dtype=torch.int32), max_seqlen, causal,
+            return _gpu_call(row.name, q, k, v, cu_seqlens.to(device=q.device, dtype=torch.int32), max_seqlen, causal,
                              softmax_scale, window, dropout_p)
     if torch.compiler.is_compiling():
         # traced: one SDPA call under a block-diagonal mask built from cu by tensor ops (upstream's masking), so the
@@ -74,25 +68,11 @@ def bound(q, k, v, cu_seqlens, bounds, max_seqlen, *, causal, softmax_scale, win
     and, on its first use in the process, proven; the boundaries go to q's device as int32 once; the kernel's
     arguments are built once. Returns ``attend(q, k, v)``: one call a layer. Eager only (compiled layers call
     :func:`_varlen`)."""
-    from . import attention_calls as calls
-
-    kind = _kind(q, dropout_p)
-    if kind != "sdpa" and calls.unfit_shapes(q, k, v):
-        kind = "sdpa"  # heads the kernels do not take: the exact path, not a failed proof (nothing to report)
-    if kind != "sdpa" and (proofs.passed(kind, q, k, causal, window) or
-                           _prove_gpu(kind, q, k, v, causal, softmax_scale, window)):
+    row = _gpu_row(q, k, v, dropout_p)
+    if row is not None and (_choice.passed(row.name, q, k, causal, window) or
+                            _prove_gpu(row, q, k, v, causal, softmax_scale, window)):
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        if kind == "flash_attn":
-            global _FLASH_VARLEN
-            if _FLASH_VARLEN is None:
-                _FLASH_VARLEN = _choice.flash_varlen()
-            fn = _FLASH_VARLEN
-            _, kw = calls.flash_call(q, k, v, cu, max_seqlen, causal=causal, scale=softmax_scale, window=window,
-                                     dropout_p=dropout_p, deterministic=calls.deterministic())
-        else:
-            fn = _torch_varlen()
-            _, kw = calls.torch_call(q, k, v, cu, max_seqlen, causal=causal, scale=softmax_scale, window=window,
-                                     params=("enable_gqa",) if _torch_takes_gqa() else ())
+        fn, _, kw = row.call(q, k, v, cu, max_seqlen, causal, softmax_scale, window, dropout_p)
 
         def attend(q, k, v):
             return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kw)
@@ -107,15 +87,9 @@ def bound(q, k, v, cu_seqlens, bounds, max_seqlen, *, causal, softmax_scale, win
 def traced_kernel(q, k, v, causal, window, dropout_p):
     """Inside a region torch.compile traces: the GPU kernel that serves these tensors (flash-attn's varlen function
     or torch's ``varlen_attn``, each a ``torch.library`` op the graph calls), if it passed its first-use proof
-    before tracing, else ``"sdpa"`` (one masked SDPA call). No proof runs inside a graph (``table.blocked``)."""
-    kind = _kind(q, dropout_p)
-    if kind == "sdpa":
-        return kind
-    from . import attention_calls as calls
-
-    if calls.unfit_shapes(q, k, v):
-        return "sdpa"
-    return kind if _proven_before_tracing(kind, q, k, causal, window) else "sdpa"
+    before tracing, else None (one masked SDPA call). No proof runs inside a graph (``table.blocked``)."""
+    row = _gpu_row(q, k, v, dropout_p)
+    return row.name if row is not None and _proven_before_tracing(row.name, q, k, causal, window) else None
 
 
 def _proven_before_tracing(kind, q, k, causal, window):
@@ -123,7 +97,7 @@ def _proven_before_tracing(kind, q, k, causal, window):
     if not, one warning saying how to warm up."""
     from . import table
 
-    if proofs.passed_before_tracing(kind, q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], causal, window):
+    if _choice.passed_before_tracing(kind, q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], causal, window):
         return True
     table.say_traced(f"tfcompat: torch.compile traced a packed attention call before the {kind} kernel proved "
                      f"itself in this process, so the compiled graph runs the SDPA path; call "
@@ -159,42 +133,18 @@ def _sdpa_by_seq(q, k, v, seq, scale, causal, window, dropout_p):
 
 
 def _gpu_call(kind, q, k, v, cu, max_seqlen, causal, scale, window, dropout_p):
-    """flash-attn's or torch's varlen kernel, with the arguments _kernels.attention_calls builds (its tests bind them
-    against the libraries' real signatures)."""
-    from . import attention_calls as calls
-
-    if kind == "flash_attn":
-        args, kwargs = calls.flash_call(q, k, v, cu, max_seqlen, causal=causal, scale=scale, window=window,
-                                        dropout_p=dropout_p, deterministic=calls.deterministic())
-        global _FLASH_VARLEN
-        if _FLASH_VARLEN is None:  # eager, once: a graph calls flash-attn only after an eager call proved it
-            _FLASH_VARLEN = _choice.flash_varlen()
-        return _FLASH_VARLEN(*args, **kwargs)
-    args, kwargs = calls.torch_call(q, k, v, cu, max_seqlen, causal=causal, scale=scale, window=window,
-                                    params=("enable_gqa",) if _torch_takes_gqa() else ())
-    return _torch_varlen()(*args, **kwargs)
+    """The GPU row ``kind``'s kernel (flash-attn's or torch's varlen function), called with the arguments its row
+    builds (``attention_calls``; its tests bind them against the libraries' real signatures)."""
+    fn, args, kwargs = _ROWS[kind].call(q, k, v, cu, max_seqlen, causal, scale, window, dropout_p)
+    return fn(*args, **kwargs)
 
 
-#: flash-attn's varlen function, looked up by the first eager call: a graph reads it as a global (dynamo cannot
-#: trace the look-up's import where flash-attn fails to import: "Import failure")
-_FLASH_VARLEN = None
-
-
-def _torch_takes_gqa():
-    """Whether the installed ``varlen_attn`` takes ``enable_gqa`` (2.13; 2.11 shares kv heads itself), read once
-    from torch's file (``_backends``): a constant of the graph under torch.compile, which cannot trace the file
-    read (dynamo: "Attempted to call function marked as skipped", seen on an H200, torch 2.11)."""
-    return "enable_gqa" in _choice.torch_varlen_params()
-
-
-_torch_takes_gqa._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-
-def _prove_gpu(kind, q, k, v, causal, scale, window):
-    """The first-use proof of ``kind`` for this call's layout (``attention_proof.proven``), without dropout."""
-    return proofs.proven(kind, lambda a, b, c, cu, n: _gpu_call(kind, a, b, c, cu, n, causal, scale, window, 0.0),
-                        lambda a, b, c, piece: _sdpa_fallback(a, b, c, piece, scale, causal, window, 0.0),
-                        q, k, v, causal, scale, window)
+def _prove_gpu(row, q, k, v, causal, scale, window):
+    """The row's first-use proof for this call's layout (``varlen_choice.proven``) against the SDPA path, without
+    dropout."""
+    return row.proof(row.name, lambda a, b, c, cu, n: _gpu_call(row.name, a, b, c, cu, n, causal, scale, window, 0.0),
+                     lambda a, b, c, piece: _sdpa_fallback(a, b, c, piece, scale, causal, window, 0.0),
+                     q, k, v, causal, scale, window)
 
 
 def _sdpa_fallback(q, k, v, bounds, scale, causal, window, dropout_p):

@@ -1,5 +1,6 @@
 """The environment as ``report`` lists it beside the per-family resolutions: the kernel table, the packed-attention
-kernel and the RoPE implementation per device (decided in ``_kernels.choice``, re-exported here), the versions.
+kernel and the RoPE implementation per device (decided in ``_kernels.rotation`` and ``_kernels.varlen_choice``,
+re-exported here through ``_kernels.choice``), the versions.
 
 Imports: the records (``plans.Resolution``), the version reader and the kernels below it.
 """
@@ -25,11 +26,11 @@ __all__ = ["installed", "torch_ships", "torch_varlen_signature", "torch_varlen_p
 
 
 def _kernel_table():
-    from .._kernels import table
+    from .._kernels import choice, table
 
     parts = []
     for op in ("rope", "varlen"):
-        for row in table.rows(op):
+        for row in choice.rows(op):
             why = unavailable(op, row.name)
             where = ",".join(row.devices) or "explicit only"
             parts.append(f"{op}.{row.name} [{where}{' ' + '/'.join(row.dtypes) if row.dtypes else ''}, priority "

@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional
 
 from .._probe import transformers4
-from .._probe.tokens import _served
 from ..errors import EmbedsError, UnsupportedTransformersError
+from .tokens import _served
 
 if TYPE_CHECKING:
     import torch

@@ -1,13 +1,19 @@
 """The patched forwards, each a module-level function of ``(module, *args, **kwargs)`` installed by reference
 (:data:`.patch.FORWARDS`): here the rotary module (hands the step to the layers on its output), the decoder layers,
 the attention and the linear-attention mixers, which read only their arguments, the step and what patch time
-bound; the text model's in :mod:`.text`, the top model's and the vision owner's in :mod:`.top`.
+bound; the text model's in :mod:`.text`, the top model's and the vision owner's in :mod:`.top`. And the step's
+rotation: the :class:`~.._kernels.rotation.Rotation` of this step's (cos, sin) for each (q, k) layout, made by the
+first layer that asks and kept on the step's carrier (:func:`for_layers`), the traced rotation under torch.compile
+(:func:`rotate`), and the once-a-step check of what the rotary module returned (:func:`check_cos`).
 """
 
 from __future__ import annotations
 
+from .._kernels.rotation import Rotation, chosen_impl
 from .._probe import resolve as _resolve
-from ..errors import PackingError, TfcompatError, UlyssesError
+from .._probe.families import family as family_of
+from .._probe.resolve import resolve
+from ..errors import PackingError, RopeShapeError, TfcompatError, UlyssesError
 from . import scope as _carrier
 from .install import (
     _ATTR,
@@ -26,8 +32,6 @@ def rotary_forward(self, *args, **kwargs):
     out = _original(self, state, *args, **kwargs)
     entry = _carrier.call_entry()
     if isinstance(entry, _carrier.Active) and isinstance(out, tuple):
-        from .rotation import check_cos
-
         check_cos(state.family, *out)  # once per step: the per-layer rotation trusts this layout
         out = _Carried(out)
         out.step, out.rotations = entry.step, {}
@@ -99,7 +103,7 @@ def _lost_step(state, module, what):
 # ------------------------------------------------------------------------------- attention
 def attention_forward(self, *args, **kwargs):
     """Every layer of a packed step runs this: it reads its arguments, the step (on the position embeddings) and
-    what patch time bound (``state``); the rotation is prepared once per step (:func:`.rotation.for_layers`)."""
+    what patch time bound (``state``); the rotation is prepared once per step (:func:`for_layers`)."""
     import torch
 
     state = getattr(self, _ATTR)
@@ -120,7 +124,6 @@ def attention_forward(self, *args, **kwargs):
     if state.group_lost:
         state.group_or_raise()
 
-    from .rotation import for_layers, rotate
 
     plan = state.plan  # the attention.signature plan, bound at patch time
     s, d = hidden.shape[1], self.head_dim
@@ -143,7 +146,7 @@ def attention_forward(self, *args, **kwargs):
         rot = pe.rotations.get((q.dtype, q.shape, k.shape, q.stride(), k.stride()))
         if rot is None:
             rot = for_layers(pe, q, k, state.family, state.section, state.rope)
-        q, k = rot(q, k)
+        q, k = rot.call(q, k)
     # squeeze, not q[0]: select's backward allocates and zero-fills a whole (1, heads, s, d) gradient per tensor
     q, k, v = q.squeeze(0).transpose(0, 1), k.squeeze(0).transpose(0, 1), v.squeeze(0)
     dropout = self.attention_dropout if self.training else 0.0
@@ -177,7 +180,7 @@ def _attend_row(step, q, k, v, scale, window, dropout):
         # kernel proven before tracing, as the op it is registered as; else one SDPA call under the step's mask
         if step.cu is not None and step.max_len is not None:
             kind = traced_kernel(q, k, v, True, window, dropout)
-            if kind != "sdpa":
+            if kind is not None:
                 return _gpu_call(kind, q, k, v, step.cu, step.max_len, True, scale, window, dropout)
         return _sdpa_by_seq(q, k, v, step.seq, scale, True, window, dropout)
     if torch.compiler.is_compiling():  # compiled layers: the kernel proven before tracing, decided in the graph
@@ -257,3 +260,39 @@ def linear_forward(self, hidden_states, *args, **kwargs):
     b = step.bounds
     outs = [_original(self, state, hidden_states[:, lo:hi], *args, **kwargs) for lo, hi in zip(b[:-1], b[1:])]
     return torch.cat(outs, dim=1)
+
+
+def for_layers(carried, q, k, family, section, res):
+    """The rotation of this step's (cos, sin) for q and k of this layout, made by the first layer that asks and
+    kept on the step's carrier for the others (unless cos/sin need gradients)."""
+    cos, sin = carried
+    fam = family_of(family)
+    rot = Rotation(q, k, cos, sin, fam.name, res, 2, 1, section, False, chosen_impl(None))
+    if rot.cacheable:
+        carried.rotations[(q.dtype, q.shape, k.shape, q.stride(), k.stride())] = rot
+    return rot
+
+
+def rotate(q, k, cos, sin, model_type, mrope_section, resolution=None):
+    """The patched attention's rotation under torch.compile (traced: nothing kept between layers): out of place,
+    (batch, heads, seq, head_dim), with the cos/sin that this release's rotary module returned (checked once
+    per step, :func:`check_cos`), the sections and the ``rope.apply`` resolution bound at patch time."""
+    fam = family_of(model_type)
+    res = resolution if resolution is not None else resolve("rope.apply", fam.name)
+    return Rotation(q, k, cos, sin, fam.name, res, 2, 1, mrope_section, False, chosen_impl(None))(q, k)
+
+
+def check_cos(model_type, cos, sin):
+    """Raise :class:`RopeShapeError` unless (cos, sin) have the layout this release's attention expects."""
+    import torch
+
+    fam = family_of(model_type)
+    res = resolve("rope.apply", fam.name)
+    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)):
+        raise RopeShapeError(f"tfcompat {fam.name}: the rotary module returned {type(cos).__name__}, "
+                             f"{type(sin).__name__}; expected two tensors")
+    want = 4 if res.plan.cos_rows == 3 else 3
+    if cos.shape != sin.shape or cos.dim() != want or cos.shape[-1] % 2:
+        raise RopeShapeError(f"tfcompat {fam.name}: the rotary module returned cos {tuple(cos.shape)} and sin "
+                             f"{tuple(sin.shape)}; transformers {res.transformers} attention expects "
+                             f"{'(3, batch, seq, dim)' if want == 4 else '(batch, seq, dim)'} with an even dim")

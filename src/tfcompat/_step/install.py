@@ -93,7 +93,7 @@ class _PatchedForward:
 
 class _Carried(tuple):
     """``(cos, sin)`` that also carries the step's boundaries down to the layers, and the rotations the layers
-    prepared from them (:func:`._rotation.for_layers`, keyed by the (q, k) layout)."""
+    prepared from them (:func:`.forwards.for_layers`, keyed by the (q, k) layout)."""
 
     step = None
     rotations = None

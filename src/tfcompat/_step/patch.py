@@ -21,7 +21,7 @@ do not interfere):
   module (the step: upstream calls it with ``(x, position_ids)`` only);
   below the rotary module the thread-local only trips an error when a mixer's call lost them;
 * every text attention module: projections, q/k norms, Qwen3.5's gated query, RoPE out of place
-  through :mod:`.rotation` (nothing autograd may have saved is written), Ulysses all-to-all,
+  through :mod:`.._kernels.rotation` (nothing autograd may have saved is written), Ulysses all-to-all,
   :func:`~tfcompat.varlen.varlen_attention`, output projection, in this release's arity;
 * Qwen3.5's Gated DeltaNet layers: run per packed sequence, so no recurrent state leaks.
 

@@ -181,7 +181,7 @@ def vl_forward(self, *args, **kwargs):
         check_vision_in_packed_row(self, state.family, a, explicit)
     if pixels and a.get("input_ids") is not None and a.get("mm_token_type_ids") is None and \
             "mm_token_type_ids" in _signature(type(self)).parameters:
-        from .._probe.tokens import mm_token_type_ids
+        from .tokens import mm_token_type_ids
 
         a["mm_token_type_ids"] = mm_token_type_ids(self.config, a["input_ids"])
         args, kwargs = (), a
@@ -275,7 +275,7 @@ def check_vision_in_packed_row(owner, family, a, explicit):
     a run of placeholder tokens, and 2-D (text) position ids would give the vision tokens text positions."""
     import torch
 
-    from .._probe.tokens import mm_token_type_ids
+    from .tokens import mm_token_type_ids
 
     ids = a["input_ids"]
     explicit = dict(explicit, **{k: a[k] for k in _FLASH_KWARGS if a.get(k) is not None})
@@ -372,7 +372,7 @@ def _generation_positions(self, inputs_tensor, model_kwargs):
     grids = model_kwargs.get("image_grid_thw") is not None or model_kwargs.get("video_grid_thw") is not None
     if grids and model_kwargs.get("mm_token_type_ids") is None and isinstance(ids, torch.Tensor) and \
             ids.dim() == 2 and not ids.is_floating_point():
-        from .._probe.tokens import mm_token_type_ids
+        from .tokens import mm_token_type_ids
 
         model_kwargs["mm_token_type_ids"] = mm_token_type_ids(self.config, ids)
     return getattr(type(self), _GENERATION_HOOK)(self, inputs_tensor, model_kwargs)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .._probe.families import family as _family
 from ..errors import EmbedsError
-from .families import family as _family
 
 if TYPE_CHECKING:
     import torch

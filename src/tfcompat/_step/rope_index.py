@@ -7,9 +7,9 @@ import functools
 import inspect
 from typing import TYPE_CHECKING, Any, Optional
 
+from .._probe.families import family as _family
 from ..errors import EmbedsError, UnsupportedTransformersError
 from . import tokens as _tokens
-from .families import family as _family
 from .tokens import _served
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ __all__ = ["rope_index"]
 def _splits_frames(fn, fam):
     """Whether this get_rope_index splits video grids per frame itself: the release's decision (``report``
     lists it as ``rope_index``), or, for a get_rope_index a framework put in its place, its own source."""
-    from . import resolve as _resolve
+    from .._probe import resolve as _resolve
 
     res = _resolve.resolve("rope_index", fam.name)
     function = getattr(fn, "__func__", fn)
@@ -32,8 +32,8 @@ def _splits_frames(fn, fam):
 
 @functools.lru_cache(maxsize=None)
 def _splits_frames_of(function):
-    from .resolve import _probe, splits_video_frames
-    from .source import _Imported
+    from .._probe.resolve import _probe, splits_video_frames
+    from .._probe.source import _Imported
 
     found = _Imported.definition(getattr(function, "__qualname__", "get_rope_index"), function)
     return _probe("rope_index", "whether get_rope_index splits video grids per frame", found, splits_video_frames)
@@ -59,7 +59,7 @@ def _rope_index_method(config_or_model):
     fam = _family(config)
     if not fam.vision:
         raise EmbedsError(f"rope_index: {fam.name} is a text family; its position ids are 0, 1, 2, ... per sequence")
-    from . import resolve as _resolve
+    from .._probe import resolve as _resolve
 
     cls = _resolve.resolve("rope_index", fam.name).target
     shell = cls.__new__(cls)
