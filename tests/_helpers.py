@@ -26,6 +26,17 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2**-
 BOUNDARY_ONLY = pytest.mark.skipif(os.environ.get("TFCOMPAT_BOUNDARY_TESTS") == "skip",
                                    reason="torch.compile runs on the boundary releases of the matrix (tox.ini)")
 
+# what no release moves: the package's own structure read from its files, the command's plumbing (pipes, folders,
+# refusals), vendored copies, an example made to fail. Once in the matrix (tox.ini: tf525, the newest release) and
+# in every local run
+ONCE = pytest.mark.skipif(os.environ.get("TFCOMPAT_ONCE_TESTS") == "skip",
+                          reason="release-independent: runs once in the matrix (tox.ini: tf525)")
+
+# what torch decides while the model code only carries it (stand-in kernels registered as ops inside compiled
+# graphs): the lowest and the newest torch (tf451-torch27, tf524-torch214) and the newest release (tf525)
+TORCH_DECIDES = pytest.mark.skipif(os.environ.get("TFCOMPAT_TORCH_TESTS") == "skip",
+                                   reason="what torch decides: runs in the torch environments and tf525 (tox.ini)")
+
 
 def triton_ready():
     """Whether the Triton RoPE kernel can run on this process's CPU tensors (Triton's interpreter)."""

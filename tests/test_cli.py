@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from _helpers import BOUNDARY_ONLY, installed
+from _helpers import BOUNDARY_ONLY, ONCE, installed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -152,6 +152,7 @@ def test_check_says_why_a_check_does_not_apply(capsys):
 
 
 @pytest.mark.parametrize("command", [["report"], ["report", "--json"]])
+@ONCE  # the command's plumbing
 def test_output_survives_a_closed_pipe(command):
     """`tfcompat report | head -1`: no traceback when the reader leaves."""
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -167,6 +168,7 @@ def test_check_unknown_family():
     assert "does not cover model_type 'gpt2'" in out.stderr
 
 
+@ONCE  # the command's plumbing
 def test_vendor_refuses_foreign_folder_and_symlinks(tmp_path):
     foreign = tmp_path / "mine"
     foreign.mkdir()
@@ -195,6 +197,7 @@ def test_vendor_refuses_foreign_folder_and_symlinks(tmp_path):
     assert os.listdir(outside) == []
 
 
+@ONCE  # the command's plumbing
 def test_vendor_overwrites_an_earlier_copy_and_force(tmp_path):
     dest = tmp_path / "v" / "tfcompat"
     out = run("vendor", str(dest))
@@ -212,6 +215,7 @@ def test_vendor_overwrites_an_earlier_copy_and_force(tmp_path):
     assert (foreign / "x").exists() and (foreign / "rope.py").exists()
 
 
+@ONCE  # the command's plumbing
 def test_report_imports_neither_transformers_nor_torch():
     """What keeps ``tfcompat report`` within a few seconds: every decision is read from transformers' files.
     torch is imported only where triton or flash-attn is installed (whether those import is the decision)."""
@@ -241,6 +245,7 @@ def test_report_output_to_a_folder_or_an_unwritable_path(tmp_path, capsys):
     assert json.loads((tmp_path / "new" / "report.json").read_text())["resolutions"]
 
 
+@ONCE  # the command's plumbing
 def test_check_device_cuda_refuses_in_one_line_without_a_gpu():
     import torch
 
@@ -282,7 +287,7 @@ def test_check_device_runs_the_shared_checks(capsys):
     assert code == 1 and "FAIL" in out
 
 
-@BOUNDARY_ONLY
+@ONCE  # the script's plumbing
 def test_gpu_check_script_runs_and_refuses_without_a_gpu():
     """bench/gpu_check.py, the one prepared GPU script, runs its main (it once ended without calling it: exit 0,
     nothing checked); on a machine without CUDA it says so and exits 2."""

@@ -14,7 +14,7 @@ import tfcompat
 from tfcompat.errors import TfcompatError
 from tfcompat.packing import pack, unpack
 
-from _helpers import BOUNDARY_ONLY, close_to_model, grads_by_name, param_grads, patchable
+from _helpers import BOUNDARY_ONLY, TORCH_DECIDES, close_to_model, grads_by_name, param_grads, patchable
 from _models import padded, text_model, tiny_model
 
 pytestmark = BOUNDARY_ONLY
@@ -350,6 +350,7 @@ def _targets(graphs):
 
 
 @FULLGRAPH
+@TORCH_DECIDES  # torch's op registration and tracing; the model code's graphs are counted above
 def test_a_kernel_proven_before_compiling_is_the_op_the_graph_calls(monkeypatch):
     """``tfcompat.warmup`` proves the GPU varlen kernel outside any graph (here a stand-in for torch's varlen_attn,
     registered through torch.library on the CPU as the real one is); the fullgraph-compiled model over the
@@ -477,6 +478,7 @@ def test_the_flash_attn_call_traces_once_looked_up(monkeypatch):
     assert seen == [["causal", "deterministic", "dropout_p", "softmax_scale", "window_size"]]
 
 
+@TORCH_DECIDES  # torch's op registration and tracing; the model code's graphs are counted above
 def test_compiled_layers_call_the_kernel_proven_before_compiling(monkeypatch):
     """The FSDP2 recipe (``layer.compile()`` on every decoder layer, the step decided eagerly outside them) after
     ``tfcompat.warmup``: the layers' graphs call the proven kernel's registered op (the stand-in for torch's

@@ -14,6 +14,10 @@ import pytest
 
 import tfcompat
 
+from _helpers import ONCE
+
+pytestmark = ONCE  # the package's files: no release moves them
+
 ROOT = pathlib.Path(tfcompat.__file__).parent
 ORDER = ("base", "_kernels", "_probe", "_step", "public", "_tools")
 BASE = {"errors", "version", "_provenance"}

@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-from _helpers import BOUNDARY_ONLY
+from _helpers import BOUNDARY_ONLY, ONCE
+
+pytestmark = ONCE  # copies of the package: the same code under another name, whatever the release
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "src" / "tfcompat"

@@ -8,6 +8,8 @@ from packaging.version import Version
 
 from tfcompat import version
 
+from _helpers import ONCE
+
 
 def test_tox_env_got_the_transformers_it_declares():
     expected = os.environ.get("TFCOMPAT_EXPECT_TRANSFORMERS")
@@ -58,6 +60,7 @@ def test_version_literal():
     assert Version(tfcompat.__version__)
 
 
+@ONCE  # a wheel's stamp: the same on every release
 def test_the_package_names_its_version_and_the_commit_it_came_from():
     """0.2.0, and the commit: read live in a checkout (editable install), stamped into a wheel built from it (tox
     builds one: `package = wheel`); `report` prints both on its first line and in its JSON."""

@@ -3,6 +3,7 @@ compiler for real targets on this CPU, with ptxas's register and spill counts.
 
     python tools/compile_proof.py                     # every variant for sm_80, sm_90, sm_100: a table
     python tools/compile_proof.py --arch 90 --json proof.json --jobs 2
+    python tools/compile_proof.py --arch 90 --part 0/2     # every other variant (the tests run the parts apart)
 
 The variants are what the launcher computes (``rope_triton._plan``, the function every launch goes through), over
 every layout ``apply_rope(impl="triton")`` hands it: NeoX, GPT-J with either cos layout and DeepSeek's interleaved
@@ -177,8 +178,9 @@ def verdict(row, max_registers):
     return ""
 
 
-def prove(archs=ARCHS, jobs=1, only=None, full=False):
-    """Compile every variant for every target; returns (rows, max registers). ``only``: label substring filter."""
+def prove(archs=ARCHS, jobs=1, only=None, full=False, part=(0, 1)):
+    """Compile every variant for every target; returns (rows, max registers). ``only``: label substring filter;
+    ``part`` (k, n): the variants whose place in the enumeration is k modulo n."""
     os.environ.pop("TRITON_INTERPRET", None)
     from tfcompat._kernels import rope_triton as rt
 
@@ -190,7 +192,7 @@ def prove(archs=ARCHS, jobs=1, only=None, full=False):
         before = os.environ.get("TRITON_CACHE_DIR")
         os.environ["TRITON_CACHE_DIR"] = cache
         try:
-            return _prove(rt, archs, jobs, only, full)
+            return _prove(rt, archs, jobs, only, full, part)
         finally:
             if before is None:
                 os.environ.pop("TRITON_CACHE_DIR")
@@ -198,11 +200,11 @@ def prove(archs=ARCHS, jobs=1, only=None, full=False):
                 os.environ["TRITON_CACHE_DIR"] = before
 
 
-def _prove(rt, archs, jobs, only, full):
+def _prove(rt, archs, jobs, only, full, part):
     todo, seen = [], set()
     _VARIANTS[full] = variants(full)
     for index, (label, _grid, args, meta) in enumerate(_VARIANTS[full]):
-        if only and only not in label:
+        if (only and only not in label) or index % part[1] != part[0]:
             continue
         for arch in archs:
             _src, _options, key = _bind(rt._rope_kernel, args, meta, arch)
@@ -224,10 +226,14 @@ def main(argv=None):
     parser.add_argument("--only", help="variants whose label contains this")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--all", action="store_true", help="the cross product of every axis (~750 a target)")
+    parser.add_argument("--part", default="0/1", help="K/N: every N-th variant from the K-th (default 0/1: all)")
     opts = parser.parse_args(argv)
+    k, n = (int(x) for x in opts.part.split("/"))
+    if not 0 <= k < n:
+        parser.error(f"--part {opts.part}: K/N with 0 <= K < N")
     os.environ.pop("TRITON_INTERPRET", None)
     t0 = time.perf_counter()
-    rows, max_regs = prove(tuple(opts.arch or ARCHS), opts.jobs, opts.only, opts.all)
+    rows, max_regs = prove(tuple(opts.arch or ARCHS), opts.jobs, opts.only, opts.all, (k, n))
     took = time.perf_counter() - t0
     failed = 0
     print(f"{'variant':<52} {'target':<7} {'regs':>4} {'spill':>9}  {'s':>5}  verdict")
