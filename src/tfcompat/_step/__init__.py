@@ -1,5 +1,6 @@
 """Step time: ``patch`` installs the forwards here; a packed step's boundaries are found once (``boundaries``,
-``shards``), carried down on the rotary module's output (``install``), and every layer reads only its
-arguments, the step and what patch time bound (``forwards``; the rotation prepared once per step:
-``rotation``; context parallelism: ``context``).
+``shards``), carried down on the rotary module's output (``install``, ``scope``), and every layer reads only its
+arguments, the step and what patch time bound (``forwards``, which also prepares the step's rotation once per
+layout); the text model's step (``text``, ``traced``), the top model and vision owner (``top``), the towers'
+dummy forwards (``dummy``), the placeholder tokens (``tokens``) and the mRoPE positions (``rope_index``).
 """
