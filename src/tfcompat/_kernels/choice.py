@@ -1,22 +1,12 @@
 """Which kernel serves a call, for every op: the kernel table's rows (``rotation.ROWS``, ``varlen_choice.ROWS``)
 filtered by what this machine has, decided once per process. Pure environment reads: nothing of transformers, no
-torch at import (``_probe.backends`` re-exports it for ``report``)."""
+torch at import (``_probe.backends`` re-exports it, with each op's own reads, for ``report``)."""
 
 from typing import Any
 
 from . import rotation, varlen_choice
-from .rotation import impl_for, triton_kernels
-from .table import installed, torch_ships
-from .varlen_choice import (
-    flash_varlen,
-    torch_varlen_params,
-    torch_varlen_signature,
-    varlen_kernel,
-    varlen_unfit,
-)
 
-__all__ = ["installed", "torch_ships", "torch_varlen_signature", "torch_varlen_params", "varlen_unfit", "varlen_kernel",
-           "unavailable", "select", "flash_varlen", "triton_kernels", "impl_for", "rows"]
+__all__ = ["rows", "unavailable", "select"]
 
 _OPS = {"rope": rotation, "varlen": varlen_choice}
 
@@ -28,7 +18,7 @@ def rows(op: str):
 
 def unavailable(op: str, name: str) -> str:
     """Why a kernel of the table cannot run here ('' when it can): the row's own ``available()``."""
-    return {row.name: row for row in rows(op)}[name].available()
+    return _OPS[op].BY_NAME[name].available()
 
 
 def select(op: str, device: Any, dtype: Any = None, dropout: bool = False) -> str:

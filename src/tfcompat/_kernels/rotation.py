@@ -134,8 +134,8 @@ def _triton_for(name, q):
 
 
 class Rotation:
-    """Rotates (q, k) of one layout by one (cos, sin); ``kind`` says how ("upstream", "triton", "composite" or
-    "native") and ``call`` is that kind's call, bound in the constructor. ``cacheable``: cos/sin need no gradient,
+    """Rotates (q, k) of one layout by one (cos, sin); ``call`` is the chosen implementation's call ("upstream",
+    "triton", "composite" or "native"), bound in the constructor. ``cacheable``: cos/sin need no gradient,
     so what the constructor derived from them may serve every layer of the step. ``name``: the family, for
     messages."""
 
@@ -151,7 +151,7 @@ class Rotation:
         grad_trig = cos.requires_grad or sin.requires_grad
         self.cacheable = not grad_trig
         if impl == "upstream":
-            self._bind("upstream")
+            self.call = self._upstream
             return
         if rotation == "deinterleave":
             # DeepSeek/MLA layout (rope_interleave): adjacent pairs in, halves out = a permutation, then NeoX
@@ -167,7 +167,7 @@ class Rotation:
         if grad_trig and rotation == "deinterleave":
             # cos/sin hold cat(freqs, freqs); which half their gradient lands in is the release's formula (5.24
             # reads the first half only, earlier releases both): upstream's own function, so it lands the same
-            self._bind("upstream")
+            self.call = self._upstream
             return
         if impl == "triton" and self._try_triton(name, q, k, cos, sin, explicit):
             return
@@ -185,17 +185,12 @@ class Rotation:
             # under torch.compile the plain formula is traced and fused by the compiler; with cos/sin that need
             # gradients autograd differentiates it
             self.trig = kernels.compact_trig(cos, sin, rotation, plan.gptj_cos, unsqueeze_dim)
-            self._bind("composite")
+            self.call = self._composite
             return
         cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
         self.cos, self.sin = cos, sin
         self.trig = kernels.Trig(cos, sin, "neox" if rotation == "deinterleave" else rotation, plan.gptj_cos)
-        self._bind("pair" if not inplace and rotation != "deinterleave" else "native")
-
-    def _bind(self, how):
-        """Bind the call of ``how``: what every later call runs, with no branch on the kind."""
-        self.kind = "native" if how == "pair" else how
-        self.call = getattr(self, "_" + how)
+        self.call = self._pair if not inplace and rotation != "deinterleave" else self._native
 
     def _try_triton(self, name, q, k, cos, sin, explicit):
         if compiling():
@@ -224,7 +219,7 @@ class Rotation:
         # the launch plan, made by the first layer and kept for the step's others (their q and k share this
         # rotation's shapes and strides: the carrier's key)
         self.mod, self.layout, self.plans = mod, layout, {}
-        self._bind("triton")
+        self.call = self._triton
         return True
 
     def __call__(self, q, k):

@@ -1,21 +1,20 @@
 """The environment as ``report`` lists it beside the per-family resolutions: the kernel table, the packed-attention
 kernel and the RoPE implementation per device (decided in ``_kernels.rotation`` and ``_kernels.varlen_choice``,
-re-exported here through ``_kernels.choice``), the versions.
+re-exported here), the versions.
 
 Imports: the records (``plans.Resolution``), the version reader and the kernels below it.
 """
 
 from .. import version as _version
-from .._kernels.choice import (  # noqa: F401  (the kernel choice, re-exported: report and the checks read it here)
+
+# the kernel choice and what it reads, re-exported: report, the checks and the tests read them here
+from .._kernels.choice import rows, select, unavailable  # noqa: F401
+from .._kernels.rotation import impl_for, triton_kernels  # noqa: F401
+from .._kernels.table import installed, torch_ships  # noqa: F401
+from .._kernels.varlen_choice import (  # noqa: F401
     flash_varlen,
-    impl_for,
-    installed,
-    select,
-    torch_ships,
     torch_varlen_params,
     torch_varlen_signature,
-    triton_kernels,
-    unavailable,
     varlen_kernel,
     varlen_unfit,
 )
@@ -26,11 +25,11 @@ __all__ = ["installed", "torch_ships", "torch_varlen_signature", "torch_varlen_p
 
 
 def _kernel_table():
-    from .._kernels import choice, table
+    from .._kernels import table
 
     parts = []
     for op in ("rope", "varlen"):
-        for row in choice.rows(op):
+        for row in rows(op):
             why = unavailable(op, row.name)
             where = ",".join(row.devices) or "explicit only"
             parts.append(f"{op}.{row.name} [{where}{' ' + '/'.join(row.dtypes) if row.dtypes else ''}, priority "
