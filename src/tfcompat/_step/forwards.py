@@ -12,7 +12,6 @@ from __future__ import annotations
 from .._kernels.rotation import Rotation, chosen_impl
 from .._probe import resolve as _resolve
 from .._probe.families import family as family_of
-from .._probe.resolve import resolve
 from ..errors import PackingError, RopeShapeError, TfcompatError, UlyssesError
 from . import scope as _carrier
 from .install import (
@@ -278,7 +277,7 @@ def rotate(q, k, cos, sin, model_type, mrope_section, resolution=None):
     (batch, heads, seq, head_dim), with the cos/sin that this release's rotary module returned (checked once
     per step, :func:`check_cos`), the sections and the ``rope.apply`` resolution bound at patch time."""
     fam = family_of(model_type)
-    res = resolution if resolution is not None else resolve("rope.apply", fam.name)
+    res = resolution if resolution is not None else _resolve.resolve("rope.apply", fam.name)
     return Rotation(q, k, cos, sin, fam.name, res, 2, 1, mrope_section, False, chosen_impl(None))(q, k)
 
 
@@ -287,7 +286,7 @@ def check_cos(model_type, cos, sin):
     import torch
 
     fam = family_of(model_type)
-    res = resolve("rope.apply", fam.name)
+    res = _resolve.resolve("rope.apply", fam.name)
     if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)):
         raise RopeShapeError(f"tfcompat {fam.name}: the rotary module returned {type(cos).__name__}, "
                              f"{type(sin).__name__}; expected two tensors")
