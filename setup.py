@@ -14,11 +14,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 class StampedBuild(build_py):
     def run(self):
         super().run()
-        spec = importlib.util.spec_from_file_location("_provenance", os.path.join(HERE, "src", "tfcompat",
-                                                                                  "_provenance.py"))
+        spec = importlib.util.spec_from_file_location("_provenance", os.path.join(HERE, "tfcompat", "_provenance.py"))
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        commit = module._checkout_commit(os.path.join(HERE, "src", "tfcompat")) or "unknown"
+        commit = module._checkout_commit(os.path.join(HERE, "tfcompat")) or "unknown"
         date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
         target = os.path.join(self.build_lib, "tfcompat", "_provenance.py")
         if os.path.exists(target):

@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def python(*argv, cwd=None, timeout=300):
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=cwd or ROOT, env=env,
                           timeout=timeout)
 
@@ -155,7 +155,7 @@ def test_check_says_why_a_check_does_not_apply(capsys):
 @ONCE  # the command's plumbing
 def test_output_survives_a_closed_pipe(command):
     """`tfcompat report | head -1`: no traceback when the reader leaves."""
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     argv = " ".join([sys.executable, "-m", "tfcompat", *command])
     out = subprocess.run(f"{argv} | head -1", shell=True, capture_output=True, text=True, cwd=ROOT, env=env,
                          timeout=120)

@@ -14,7 +14,7 @@ from _helpers import BOUNDARY_ONLY, ONCE
 pytestmark = ONCE  # copies of the package: the same code under another name, whatever the release
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "src" / "tfcompat"
+PACKAGE = ROOT / "tfcompat"
 
 
 def test_no_module_imports_the_package_absolutely():
@@ -73,7 +73,7 @@ def test_vendored_copy_runs_a_family_check(tmp_path):
             not os.environ.get("TFCOMPAT_VENDOR_EVERYWHERE"):
         pytest.skip(f"runs with transformers {version.MIN_TRANSFORMERS} and {version.TESTED_MAX_TRANSFORMERS}")
     dest = tmp_path / "myproj" / "_vendor" / "tfcompat"
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-m", "tfcompat", "vendor", str(dest)], capture_output=True,
                          text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -109,7 +109,7 @@ def test_vendored_copy_without_tools(tmp_path):
     says the tools were left out (exit 2) instead of a traceback. Three interpreter starts: on the boundary
     releases."""
     dest = tmp_path / "myproj" / "_vendor" / "tfcompat"
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     for flags in ([], ["--no-tools"]):
         out = subprocess.run([sys.executable, "-m", "tfcompat", "vendor", str(dest), *flags], capture_output=True,
                              text=True, env=env, timeout=120)
@@ -157,7 +157,7 @@ def test_vendor_makes_the_parent_packages_a_wheel_needs(tmp_path):
     (project / "myproj" / "__init__.py").write_text("KEEP = 1\n")
     (project / "setup.py").write_text("from setuptools import setup, find_packages\n"
                                       "setup(name='myproj', version='0.0.1', packages=find_packages())\n")
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-m", "tfcompat", "vendor", str(project / "myproj" / "_vendor" /
                                                                          "tfcompat")],
                          capture_output=True, text=True, env=env, timeout=120)
@@ -189,7 +189,7 @@ def test_vendor_makes_the_parent_packages_a_wheel_needs(tmp_path):
 def _vendor_layer(tmp_path, layer):
     dest = tmp_path / "proj" / "_vendor" / "tfcompat"
     out = subprocess.run([sys.executable, "-m", "tfcompat", "vendor", str(dest), "--only", layer], capture_output=True,
-                         text=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), timeout=120)
+                         text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
     assert out.returncode == 0, out.stderr
     (tmp_path / "proj" / "__init__.py").write_text("")
     return dest
@@ -296,7 +296,7 @@ def test_the_readme_gives_each_layers_size(tmp_path):
         dest = tmp_path / layer / "tfcompat"
         extra = ["--only", layer] if layer != "whole" else []
         out = subprocess.run([sys.executable, "-m", "tfcompat", "vendor", str(dest), *extra], capture_output=True,
-                             text=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), timeout=120)
+                             text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
         assert out.returncode == 0, out.stderr
         got[layer] = _copy_size(dest)
     off = {layer: (stated[layer], got[layer]) for layer in got

@@ -14,7 +14,7 @@ import sys
 
 from packaging.version import Version
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from tfcompat._probe.families import FAMILIES  # noqa: E402  (the checkout's own table, not an installed copy)
 
 #: families whose attention tfcompat.patch refuses (the reason is in the family table)

@@ -14,13 +14,16 @@ STAMP = None
 
 @functools.lru_cache(maxsize=None)
 def _checkout_commit(package_dir):
-    """The commit of the checkout this package folder sits in (``src/tfcompat`` of tfcompat's own repository),
-    or None: never the commit of some other repository a copy happens to lie in."""
+    """The commit of the checkout this package folder sits in (``tfcompat/`` at the top of tfcompat's own
+    repository, beside ``setup.cfg``), or None: never the commit of some other repository a copy happens to lie in."""
     import subprocess
 
-    src = os.path.dirname(package_dir)
-    root = os.path.dirname(src)
-    if os.path.basename(src) != "src" or not os.path.isfile(os.path.join(root, "setup.cfg")):
+    root = os.path.dirname(package_dir)
+    try:
+        with open(os.path.join(root, "setup.cfg")) as fh:
+            if "\nname = tfcompat\n" not in fh.read():
+                return None  # another project's checkout that holds a copy
+    except OSError:
         return None
     try:
         out = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=root, capture_output=True,
