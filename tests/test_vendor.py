@@ -256,16 +256,18 @@ def test_the_config_layer_reads_rope_parameters(tmp_path):
 @BOUNDARY_ONLY
 def test_the_patch_layer_trains_a_packed_row(tmp_path):
     """`vendor --only patch`: tfcompat.patch and packing from the copy; a packed row equals the padded batch on a
-    model built by transformers itself (the copy holds no tfcompat.testing)."""
+    model built by transformers itself, and a framework's own self-check on the copy's ``testing.tiny_model``
+    (the patch layer carries testing) passes too."""
     from tfcompat.testing import tiny_config
 
     dest = _vendor_layer(tmp_path, "patch")
-    assert not (dest / "testing.py").exists() and not (dest / "_tools").exists()
+    assert (dest / "testing.py").exists() and not (dest / "_tools").exists()
     tiny_config("qwen2").save_pretrained(tmp_path / "cfg")
     _in_copy(tmp_path, (
-        "import torch, transformers\n"
+        "import copy, torch, transformers\n"
         "from proj._vendor import tfcompat as t\n"
         "from proj._vendor.tfcompat.packing import pack\n"
+        "from proj._vendor.tfcompat.testing import tiny_model\n"
         "torch.manual_seed(0)\n"
         "model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained('cfg'))\n"
         "ids = torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]]); mask = (ids != 0).long()\n"
@@ -273,6 +275,10 @@ def test_the_patch_layer_trains_a_packed_row(tmp_path):
         "t.patch(model)\n"
         "pk = pack(ids, mask)\n"
         "got = model(input_ids=pk.input_ids, position_ids=pk.position_ids).logits[0]\n"
+        "assert (got - want).abs().max() < 1e-4, (got - want).abs().max()\n"
+        "base = tiny_model('qwen3'); patched = copy.deepcopy(base); t.patch(patched)\n"
+        "want = base(input_ids=ids, attention_mask=mask).logits[mask.bool()]\n"
+        "got = patched(input_ids=pk.input_ids, position_ids=pk.position_ids).logits[0]\n"
         "assert (got - want).abs().max() < 1e-4, (got - want).abs().max()\n"))
 
 

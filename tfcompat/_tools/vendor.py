@@ -75,7 +75,7 @@ def _refusal(args, source, dest):
 LAYERS = {
     "rope": ("rope",),
     "config": ("config",),
-    "patch": ("", "packing", "varlen", "ulysses", "embeds", "rope", "config"),
+    "patch": ("", "packing", "varlen", "ulysses", "embeds", "rope", "config", "testing"),
 }
 
 
