@@ -93,7 +93,7 @@ def verdict(got, want, dtype):
     from tfcompat._kernels.table import _compare
 
     worst, ok, tol = _compare(tuple(got), tuple(want), dtype)
-    scale = max(float(w.float().abs().max()) for w in want)
+    scale = max(float(w.detach().float().abs().max()) for w in want)
     return ok, f"max|diff| {worst:.3g} (tol {tol:.2g} x max(1, {scale:.3g}))"
 
 

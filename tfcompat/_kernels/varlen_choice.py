@@ -26,10 +26,17 @@ def flash_varlen():
     return flash_attn_varlen_func
 
 
-@functools.lru_cache(maxsize=None)
+#: torch's varlen function, looked up by the first call: held in a global, not an ``lru_cache``, because compiled
+#: layers call :func:`torch_varlen` (dynamo traces through a cache wrapper and warns that it ignores it)
+_TORCH_VARLEN = None
+
+
 def torch_varlen():
     """PyTorch's ``varlen_attn`` (torch 2.10+), imported on first use: importing it loads torch._dynamo
     (~2 s), which ``report`` and CPU runs need not pay; whether torch ships it is read from its files."""
+    global _TORCH_VARLEN
+    if _TORCH_VARLEN is not None:
+        return _TORCH_VARLEN
     import torch
 
     from ..errors import TfcompatError
@@ -39,6 +46,7 @@ def torch_varlen():
     except Exception as exc:
         raise TfcompatError(f"varlen_attention: torch {torch.__version__} ships torch.nn.attention.varlen but it "
                             f"does not import ({exc}); repair the torch install") from None
+    _TORCH_VARLEN = varlen_attn
     return varlen_attn
 
 

@@ -58,8 +58,10 @@ def _report(args):
             return 2
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
-    else:
-        _print_report(doc)
+    else:  # with --output the decisions are in the file: the log keeps the summary (a readable tail)
+        _print_report(doc, decisions=not args.output)
+        if args.output:
+            print(f"{len(doc['resolutions'])} decisions written to {args.output}")
     return 1 if doc["error"] or any(r["impl"] == "unsupported" for r in doc["resolutions"]) else 0
 
 
@@ -97,8 +99,9 @@ def _summary(doc):
     }
 
 
-def _print_report(doc):
-    """The report as lines: versions, a summary, then one block per decision, at most 100 columns."""
+def _print_report(doc, decisions=True):
+    """The report as lines: versions, a summary, then (``decisions``) one block per decision, at most 100
+    columns."""
     import textwrap
 
     print(f"tfcompat {_provenance.describe()}")
@@ -111,8 +114,9 @@ def _print_report(doc):
         for key, text in doc["summary"].items():
             print(textwrap.fill(text, 100, initial_indent=f"  {key:<12}", subsequent_indent=" " * 14,
                                 break_on_hyphens=False))
-        print("decisions (capability: choice  (where upstream keeps it), then why):")
-    for r in doc["resolutions"]:
+        if decisions:
+            print("decisions (capability: choice  (where upstream keeps it), then why):")
+    for r in doc["resolutions"] if decisions else ():
         source = r["source"].replace("transformers.models.", "")
         head = f"{r['capability']}: {r['impl']}"
         if source and len(head) + len(source) + 5 <= 100:
