@@ -10,8 +10,6 @@ import shutil
 import subprocess
 import venv
 
-import pytest
-
 from _helpers import ONCE
 
 pytestmark = ONCE  # the checkout's layout and an install command: the same whatever the release
