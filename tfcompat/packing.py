@@ -177,5 +177,17 @@ def packed(cu_seqlens: torch.Tensor, max_seqlen: Optional[int] = None) -> Iterat
         raise PackingError(f"packed: cu_seqlens must be a 1-D tensor (0, ..., total), got {cu_seqlens!r}")
     bounds = check_cu_seqlens(cu_seqlens, int(cu_seqlens[-1]), "packed: cu_seqlens")
     max_seqlen = check_longest(bounds, max_seqlen, "packed")
-    with _carrier.carry(_carrier.Packed(cu_seqlens, int(max_seqlen))):
+    entry = _carrier.Packed(cu_seqlens, int(max_seqlen))
+    with _carrier.carry(entry):
         yield
+    if not entry.read:
+        # fail closed: the block ran, and no model patched by this copy took the boundaries. A model patched by
+        # another copy of tfcompat (a framework's vendored one beside the installed one) never reads this copy's
+        # block, and an unpatched model knows none: either ran the row as one sequence
+        package = __name__.rpartition(".")[0]
+        raise PackingError(
+            f"packed: no model patched by this copy of tfcompat ({package}) read these boundaries "
+            f"{bounds} inside the block, so whatever ran in it treated the row as one sequence: a model patched "
+            f"by another copy of tfcompat (a framework's vendored copy beside the installed package) reads only "
+            f"its own copy's packed(), and an unpatched model reads none; patch the model with {package}.patch, "
+            f"use that copy's packing.packed, or pass cu_seq_lens_q/k and max_length_q/k to the call")

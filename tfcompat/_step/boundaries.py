@@ -11,7 +11,7 @@ import dataclasses
 
 from .._probe import families as _families
 from ..errors import PackingError, UlyssesError
-from .scope import Packed, first, innermost
+from .scope import first, packed_boundaries
 
 # what transformers' DataCollatorWithFlattening can emit beside position ids: consumed by the patched text model
 # (validated once per step, turned into the step's boundaries), never forwarded where upstream misreads them
@@ -168,7 +168,8 @@ def explicit_cu(explicit):
     cu = explicit.get("cu_seq_lens_q")
     if cu is None:
         cu = explicit.get("cu_seq_lens_k")
-    if cu is None and (packed := innermost(Packed)) is not None:
+    packed = packed_boundaries()  # read by this copy's patched model, whichever boundaries win
+    if cu is None and packed is not None:
         cu = packed.cu
     return cu
 
@@ -238,7 +239,8 @@ def _given_cu(explicit, batch, local, device):
                                f"{cu.tolist()}; pass both from the same collator")
         if cu is None:
             cu, source = from_idx.to(device), "seq_idx"
-    if cu is None and (packed := innermost(Packed)) is not None:
+    packed = packed_boundaries()  # read by this copy's patched model, whichever boundaries win
+    if cu is None and packed is not None:
         cu, max_len = packed.cu, packed.max_len
         source = "packing.packed(cu)"
         explicit = {"max_length_q": max_len}

@@ -7,7 +7,6 @@ Used by :mod:`.forwards` (the forwards) and :mod:`.patch` (``patch()``); imports
 from __future__ import annotations
 
 import copy
-import copyreg
 import inspect
 import types
 
@@ -37,16 +36,20 @@ class _State:
         self.group, self.world, self.saved_forward = group, world, saved_forward
         self.group_lost = False
         self.linear_child = False  # decoder layers: holds a linear-attention mixer (gets a _StepMask)
+        self.fn = None  # the module-level forward installed (kept to bind it again after unpickling)
+        self.restored = False  # unpickled: the shared forward is bound again at the text model's first call
 
     def __deepcopy__(self, memo):
         new = copy.copy(self)
         new.saved_forward = copy.deepcopy(self.saved_forward, memo)
+        new.restored = False  # a deep copy copies the bound forwards too (copy._deepcopy_method)
         return new
 
     def __getstate__(self):
         state = dict(self.__dict__)
         if state["group"] is not None or state.get("cgroup") is not None:
             state["group"], state["cgroup"], state["group_lost"] = None, None, True
+        state["restored"] = True
         return state
 
     def split(self):
@@ -188,10 +191,10 @@ def _shared(kind, fn, cls):
     if shared is None:
         # a copy of fn itself (its code, globals, defaults): no frame more per call than fn, and a signature of its
         # own (``cls.forward``'s) where fn serves every class
-        forward = types.FunctionType(fn.__code__, fn.__globals__, f"tfcompat_{kind}_forward", fn.__defaults__,
-                                     fn.__closure__)
+        # named ``forward``: a pickled bound method is ``getattr(module, "forward")`` (see rebind_restored)
+        forward = types.FunctionType(fn.__code__, fn.__globals__, "forward", fn.__defaults__, fn.__closure__)
         forward.__kwdefaults__ = fn.__kwdefaults__
-        forward.__qualname__ = forward.__name__
+        forward.__qualname__ = f"tfcompat_{kind}_forward"
         forward.__module__ = fn.__module__
         try:
             forward.__signature__ = inspect.signature(inspect.unwrap(cls.forward))
@@ -202,26 +205,25 @@ def _shared(kind, fn, cls):
     return shared
 
 
-def _rebind(module, kind, fn):
-    """Unpickling a patched module's shared forward: bound again to the module it was bound to."""
-    return types.MethodType(_shared(kind, fn, type(module)), module)
+def rebind_restored(root):
+    """After unpickling: bind the shared forwards again below ``root`` (the patched text model, at its first call).
 
-
-def _reduce_method(method):
-    """Pickling of bound methods: tfcompat's shared forwards by (module, kind, function); every other method as
-    Python pickles it (``getattr(obj, name)``), unchanged."""
-    key = getattr(method.__func__, "_tfcompat_key", None)
-    if key is not None:
-        return _rebind, (method.__self__, *key)
-    return getattr, (method.__self__, method.__func__.__name__)
-
-
-copyreg.pickle(types.MethodType, _reduce_method)
+    Python pickles a bound method as ``getattr(module, its __name__)``, evaluated before the module's own state is
+    restored; the shared forwards are named ``forward``, so an unpickled module holds its class's forward until
+    this runs (no process-wide pickling hook: the user's other bound methods pickle as Python pickles them)."""
+    for m in root.modules():
+        state = m.__dict__.get(_ATTR)
+        if isinstance(state, _State) and state.restored:
+            state.restored = False
+            if state.kind in _SHARED_KINDS and state.saved_forward is None and state.fn is not None and \
+                    not _ours(m, m.__dict__.get("forward")):
+                m.forward = types.MethodType(_shared(state.kind, state.fn, type(m)), m)
 
 
 def _install(module, kind, state, fn):
     _uninstall(module)  # never wrap our own forward: patching again replaces
     state.saved_forward = module.__dict__.get("forward")
+    state.fn = fn
     setattr(module, _ATTR, state)
     if kind in _SHARED_KINDS and state.saved_forward is None:
         module.forward = types.MethodType(_shared(kind, fn, type(module)), module)
@@ -234,7 +236,8 @@ def _ours(module, fwd):
     if isinstance(fwd, _PatchedForward):
         return fwd.module is module
     return isinstance(fwd, types.MethodType) and fwd.__self__ is module and \
-        getattr(fwd.__func__, "_tfcompat_key", None) is not None
+        getattr(fwd.__func__, "_tfcompat_key", None) is not None and \
+        fwd.__func__.__module__.rpartition("._step")[0] == _PACKAGE  # this copy's, not another copy's
 
 
 def _uninstall(module):
@@ -259,6 +262,30 @@ def _unwrapped_children(module):
         while _is_wrapper(child):
             child = child._checkpoint_wrapped_module
         yield child
+
+
+def other_copy(model):
+    """The package name and version of another copy of tfcompat that patched ``model`` or a module below it (a
+    framework's vendored copy beside the installed package: same attribute names, other classes), or None. Two copies
+    never share a model: the second would wrap the first's forwards (a recursion) and read its own carriers only."""
+    import sys
+
+    for m in model.modules():
+        for key in (_ATTR, _MODEL_ATTR):
+            mine = _State if key == _ATTR else None
+            value = m.__dict__.get(key)
+            if value is None or (mine is not None and isinstance(value, mine)) or \
+                    (mine is None and type(value).__module__.rpartition("._step")[0] == _PACKAGE):
+                continue
+            package = type(value).__module__.rpartition("._step")[0] or type(value).__module__
+            version = getattr(sys.modules.get(package), "__version__", "?")
+            where = getattr(sys.modules.get(package), "__file__", None)
+            return f"{package} {version}" + (f" ({where.rpartition('/')[0]})" if where else "")
+    return None
+
+
+#: this copy's package name (``tfcompat``, or ``myproj._vendor.tfcompat`` in a vendored copy)
+_PACKAGE = __name__.rpartition("._step")[0]
 
 
 def _patched_as(module):

@@ -47,7 +47,17 @@ from ..errors import ModelError, UlyssesError, UnsupportedTransformersError
 from . import forwards as _layers
 from . import text as _text
 from . import top as _top
-from .install import _ATTR, _MODEL_ATTR, _install, _is_wrapper, _patched_as, _State, _uninstall, _unwrapped_children
+from .install import (
+    _ATTR,
+    _MODEL_ATTR,
+    _install,
+    _is_wrapper,
+    _patched_as,
+    _State,
+    _uninstall,
+    _unwrapped_children,
+    other_copy,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -87,6 +97,7 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
           dummy_visual: bool = True, slice_inputs: bool = False, context_group: Any = None) -> PatchRecord:
     """The implementation of :func:`tfcompat.patch` (documented there)."""
     fam = _family_of_model(model)
+    _refuse_another_copy(model, "patch")
     config = getattr(model, "config", None)
     from .._probe.families import text_config
 
@@ -123,6 +134,18 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
         model.__dict__.pop(_MODEL_ATTR, None)
         _top.uninstall_generation_positions(model)
     return record
+
+
+def _refuse_another_copy(model, what):
+    other = other_copy(model)
+    if other is not None:
+        package = __name__.rpartition("._step")[0]
+        raise ModelError(
+            f"tfcompat.{what}: this {type(model).__name__} is patched by another copy of tfcompat, {other}; this copy "
+            f"is {package} ({__file__.rpartition('/_step')[0]}). Two copies cannot share a model (one would wrap the "
+            f"other's forwards and read only its own boundaries): unpatch it with the copy that patched it "
+            f"(<that copy>.unpatch(model)) and patch it with one copy, whose packing.packed and patch your code "
+            f"then both use")
 
 
 def _family_of_model(model):
@@ -246,6 +269,10 @@ def unpatch(model: torch.nn.Module) -> bool:
 
     Returns True if anything was patched.
     """
+    import torch
+
+    if isinstance(model, torch.nn.Module):
+        _refuse_another_copy(model, "unpatch")
     record = model.__dict__.pop(_MODEL_ATTR, None)
     _top.uninstall_generation_positions(model)
     found = False

@@ -28,10 +28,13 @@ class Named:
 
 
 class Packed:
-    __slots__ = ("cu", "max_len")
+    """``packing.packed(cu)``'s entry; ``read`` counts the patched text models of this copy that took the boundaries
+    (the block refuses to end unread: a model patched by another copy of tfcompat, or by none, ran the row as one
+    sequence)."""
 
     def __init__(self, cu, max_len):
         self.cu, self.max_len = cu, max_len
+        self.read = 0
 
 
 class Tied:
@@ -64,6 +67,15 @@ def innermost(kind):
         if isinstance(entry, kind):
             return entry
     return None
+
+
+def packed_boundaries():
+    """The innermost ``packing.packed(cu)`` entry on this thread, counted as read by the caller (a patched text
+    model deciding its step), or None."""
+    entry = innermost(Packed)
+    if entry is not None:
+        entry.read += 1
+    return entry
 
 
 def call_entry():

@@ -20,6 +20,7 @@ from .install import (
     _recalled_explicit,
     _remember_explicit,
     _signature,
+    rebind_restored,
 )
 
 
@@ -36,6 +37,8 @@ def text_model_forward(self, *args, **kwargs):
     import torch
 
     state = getattr(self, _ATTR)
+    if state.restored:  # unpickled: the layers' shared forwards are bound again, once
+        rebind_restored(self)
     if torch.compiler.is_compiling() and (tied := _carrier.innermost(_carrier.Tied)) is not None and \
             tied.zero is not None:
         with _carrier.carry(_carrier.Tied(None)):  # this call takes it; a nested text model call does not

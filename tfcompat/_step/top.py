@@ -282,7 +282,8 @@ def check_vision_in_packed_row(owner, family, a, explicit):
     position_ids = a.get("position_ids")
     text = _boundaries.text_row(position_ids)
     cu = explicit.get("cu_seq_lens_q", explicit.get("cu_seq_lens_k"))
-    if cu is None and (packed := _carrier.innermost(_carrier.Packed)) is not None:
+    packed = _carrier.packed_boundaries()  # read by this copy's patched model, whichever boundaries win
+    if cu is None and packed is not None:
         cu = packed.cu
     n = ids.shape[-1]
     if isinstance(cu, torch.Tensor) and cu.device.type != "meta" and cu.dim() == 1:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..errors import PackingError, UlyssesError
 from .boundaries import Step, check_explicit_types, cu_from_seq_idx, explicit_cu, text_row
-from .scope import Packed, first, innermost
+from .scope import first, packed_boundaries
 
 
 def _assert(ok, what):
@@ -53,7 +53,8 @@ def _traced_cu(explicit, batch, local):
     cu_q, cu_k = explicit.get("cu_seq_lens_q"), explicit.get("cu_seq_lens_k")
     cu, source = (cu_q, "cu_seq_lens_q") if cu_q is not None else (cu_k, "cu_seq_lens_k")
     max_len = explicit.get("max_length_q", explicit.get("max_length_k"))
-    if cu is None and (packed := innermost(Packed)) is not None:
+    packed = packed_boundaries()  # read by this copy's patched model, whichever boundaries win
+    if cu is None and packed is not None:
         cu, source, max_len = packed.cu, "packing.packed(cu)", packed.max_len
     if cu is None:
         return None, None, None
