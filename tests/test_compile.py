@@ -221,6 +221,33 @@ def test_fullgraph_fails_closed(case):
         str(err.value).startswith("tfcompat (checked inside torch.compile)"), str(err.value)[:500]
 
 
+@pytest.mark.parametrize("fullgraph", [False, pytest.param(True, marks=FULLGRAPH)], ids=["whole", "fullgraph"])
+@pytest.mark.parametrize("name", NAMES)
+def test_compiled_eval_packed_row_with_the_configs_use_cache(name, fullgraph):
+    """``model.eval()`` and a packed row with ``use_cache`` left to the config (True): eagerly the row runs packed;
+    compiled it did too only with ``use_cache=False`` (inside a graph the default counted as a prefill and a
+    device-side check refused the row). Given as position ids or as cu kwargs alone (a VL model's positions are
+    counted from them inside the graph); the oracle: the unpatched model on the padded batch."""
+    torch._dynamo.reset()
+    model = tiny_model(name, num_hidden_layers=2).eval()
+    ids, mask = padded(_rows(3))
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+    tfcompat.patch(model)
+    pk = pack(ids, mask, vision=False)
+    run = torch.compile(model, backend="aot_eager", fullgraph=fullgraph)
+    calls = {"positions": dict(position_ids=pk.position_ids),
+             "cu": dict(cu_seq_lens_q=pk.cu_seqlens, cu_seq_lens_k=pk.cu_seqlens, max_length_q=pk.max_seqlen,
+                        max_length_k=pk.max_seqlen)}
+    try:
+        for how, kw in calls.items():
+            with torch.no_grad():
+                got = unpack(run(input_ids=pk.input_ids, **kw).logits, pk)[mask.bool()]
+            close_to_model(got, want, f"{name} compiled eval, {how}")
+    finally:
+        torch._dynamo.reset()
+
+
 @FULLGRAPH
 def test_fullgraph_decoding_with_a_cache():
     """A compiled rollout's calls: a prefill that fills a KV cache and a decoding step, batch 1, position ids and

@@ -65,6 +65,8 @@ def _bad_cases():
         ("rope: integer cos", lambda: apply_rope(q, k, cos.long(), sin, config=config), "must be floating point"),
         ("rope: aliased q and k in place", lambda: apply_rope_(*(lambda t: (t, t))(q.clone()), cos, sin,
                                                                config=config), "share memory"),
+        ("rope: expanded k in place", lambda: apply_rope_(q.clone(), k[:, :1].expand(-1, 3, -1, -1), cos, sin,
+                                                          config=config), "pass a tensor it owns"),
         ("rope: leaf requiring grad in place", lambda: apply_rope_(q.clone().requires_grad_(True), k.clone(), cos, sin,
                                                                    config=config), "leaf tensor that requires grad"),
         ("rope: 3-D q that batched cos would grow", lambda: apply_rope(q[0], k, cos, sin, config=config),

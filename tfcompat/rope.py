@@ -294,6 +294,23 @@ def _share_elements(q, k):
     return found
 
 
+def _overlaps_itself(t):
+    """Whether some elements of ``t`` share memory (a stride of 0 over a dimension of more than one element, or
+    strides that interleave: torch's own in-place ops refuse such a tensor)."""
+    import torch
+
+    verdict = torch._debug_has_internal_overlap(t)  # 0: no, 1: yes, 2: torch cannot tell cheaply
+    if verdict != 2:
+        return verdict == 1
+    dims = sorted((abs(s), n) for s, n in zip(t.stride(), t.shape) if n > 1)
+    span = 1
+    for stride, size in dims:  # each dimension must step past the whole extent of the finer ones
+        if stride < span:
+            return True
+        span = stride * (size - 1) + span
+    return False
+
+
 def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, config: Any = None,
                 model_type: Optional[str] = None, mrope_section: Optional[Sequence[int]] = None,
                 unsqueeze_dim: int = 1, impl: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -319,6 +336,11 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
         raise RopeShapeError(f"apply_rope_ for {fam.name}: q and k share memory, so rotating one in place would "
                              f"rotate the other twice; pass separate tensors, or use apply_rope")
     for name, t in (("q", q), ("k", k)):
+        if _overlaps_itself(t):
+            raise RopeShapeError(f"apply_rope_ for {fam.name}: {name} {tuple(t.shape)} with strides {t.stride()} has "
+                                 f"elements that share memory (an expand() or a broadcast view), so one write would "
+                                 f"rotate several positions; pass a tensor it owns ({name}.contiguous() or "
+                                 f"{name}.clone()), or use apply_rope, which rotates out of place")
         if t.requires_grad and t.is_leaf:
             raise RopeShapeError(f"apply_rope_ for {fam.name}: {name} is a leaf tensor that requires grad; it cannot "
                                  f"be rotated in place; use apply_rope, or pass the projection output")

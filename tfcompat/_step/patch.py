@@ -141,7 +141,7 @@ def _refuse_another_copy(model, what):
     if other is not None:
         package = __name__.rpartition("._step")[0]
         raise ModelError(
-            f"tfcompat.{what}: this {type(model).__name__} is patched by another copy of tfcompat, {other}; this copy "
+            f"tfcompat {what}: this {type(model).__name__} is patched by another copy of tfcompat, {other}; this copy "
             f"is {package} ({__file__.rpartition('/_step')[0]}). Two copies cannot share a model (one would wrap the "
             f"other's forwards and read only its own boundaries): unpatch it with the copy that patched it "
             f"(<that copy>.unpatch(model)) and patch it with one copy, whose packing.packed and patch your code "

@@ -111,7 +111,11 @@ def _caching(self, a):
     if self.training:  # a training step's use_cache (the config's, or a VL top model's resolved one) makes none
         return False
     use = a.get("use_cache")
-    return bool(getattr(self.config, "use_cache", False) if use is None else use) or _decoding(a)
+    if use is None:
+        # left to the config's default: eagerly a packed row turns it off; a row named by no cache and no
+        # cache_position is not generate()'s, so it runs tfcompat's path compiled too (which returns no cache)
+        return _decoding(a)
+    return bool(use) or _decoding(a)
 
 
 def _decoding(a):

@@ -222,8 +222,14 @@ def _row_positions(state, a):
     if cu is None and ref is not None and getattr(seq_idx, "shape", None) == (1, ref.shape[1]):
         cu = _boundaries.cu_from_seq_idx(seq_idx, 1, ref.shape[1])  # DataCollatorWithFlattening(return_seq_idx)
     if ref is None or cu is None or ref.shape[0] != 1 or cu.dim() != 1 or cu.numel() < 2 or \
-            cu.dtype.is_floating_point or int(cu[-1]) != ref.shape[1]:
+            cu.dtype.is_floating_point:
         return None  # not a whole packed row: the text model names what is wrong, if anything
+    import torch
+
+    # eagerly a row the boundaries do not cover is left to the text model's refusal; traced, no host read: the
+    # text model's traced step checks the boundaries against the row inside the graph
+    if not torch.compiler.is_compiling() and int(cu[-1]) != ref.shape[1]:
+        return None
     a["position_ids"] = _boundaries.positions_of(cu, ref.shape[1], ref.device)[None].expand(3, 1, -1)
     return a["position_ids"]
 
