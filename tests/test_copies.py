@@ -19,6 +19,10 @@ from tfcompat.errors import PackingError
 from tfcompat.packing import pack, packed, unpack
 from tfcompat.testing import tiny_model
 
+from _helpers import BOUNDARY_ONLY
+
+pytestmark = BOUNDARY_ONLY  # module attributes and tfcompat's own carriers: the boundary releases hold them
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

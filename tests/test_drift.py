@@ -352,3 +352,42 @@ def test_the_partial_rotary_readings_drift_assumes_are_this_releases():
         assert built["rotary_dim"] == (built["head_dim"] if whole else built["head_dim"] // 2), (name, built)
         checked.append(name)
     assert {"llama", "qwen2", "qwen3"} <= set(checked), checked
+
+
+def _written(tmp_path, raw, name="cfg"):
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(raw))
+    return folder
+
+
+def test_drift_says_what_transformers_refuses_in_a_file(tmp_path):
+    """A file this release refuses (5.x checks ``layer_types`` against ``num_hidden_layers``; 4.x loads it), or a
+    family it does not ship: ``drift(path)`` returns what this release builds, or raises a ConfigError naming the
+    saving release or the first release with the family; never transformers' own error."""
+    from transformers import AutoConfig
+
+    from tfcompat.errors import ConfigError
+    from tfcompat.testing import families, tiny_config
+
+    from tfcompat._probe.families import FAMILIES  # private: every family tfcompat knows, shipped here or not
+
+    raw = dict(tiny_config("qwen2").to_dict(), layer_types=["full_attention"], transformers_version="5.99.0")
+    folder = _written(tmp_path, raw)
+    try:
+        AutoConfig.from_pretrained(folder, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001  (the oracle: does this release refuse the file?)
+        refused = exc
+    else:
+        refused = None
+    if refused is None:
+        assert isinstance(drift(str(folder)), list)
+    else:
+        with pytest.raises(ConfigError, match="saved by transformers 5.99.0") as err:
+            drift(str(folder))
+        assert type(refused).__name__ in str(err.value)
+    missing = [n for n in FAMILIES if n not in families() and not FAMILIES[n].nope]
+    for n in missing[:3]:
+        path = _written(tmp_path, {"model_type": n, "transformers_version": "5.99.0"}, name=n)
+        with pytest.raises(ConfigError, match=f"first shipped in transformers {FAMILIES[n].since}"):
+            drift(str(path))

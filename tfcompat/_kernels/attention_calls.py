@@ -71,6 +71,10 @@ TORCH_VARLEN: dict[str, Any] = {
     # 2.14.1: the same keywords as 2.13 (read from its file, tox env torch214)
     "2.14": (_TORCH_HEAD, {}, ("return_aux", "scale", "window_size", "enable_gqa", "seqused_k", "block_table",
                                "num_splits")),
+    # 2.15.0: the same names (read from its file, tox env tf525-torch215); cu_seq_k may be None (tfcompat passes
+    # cu), causal is compared as a list (a tuple still works), and a backend is selected per call (cuDNN first)
+    "2.15": (_TORCH_HEAD, {}, ("return_aux", "scale", "window_size", "enable_gqa", "seqused_k", "block_table",
+                               "num_splits")),
     "kv-cache branch": (_TORCH_HEAD, {}, ("return_aux", "scale", "window_size", "k_cache", "v_cache",
                                           "cache_seqlens", "cache_batch_idx", "page_table", "seqused_k")),
 }

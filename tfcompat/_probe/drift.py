@@ -162,10 +162,39 @@ def drift(path_or_config: Any) -> list:
     loaded config is read through ``to_dict()`` (keys the release ignores stay there as attributes)."""
     raw = raw_of(path_or_config)
     if isinstance(path_or_config, (str, os.PathLike)):
-        config = load_config(os.fspath(path_or_config))
+        config = loadable(os.fspath(path_or_config), raw)
     else:
         config = path_or_config
     return compare(raw, config)
+
+
+def loadable(path, raw):
+    """The config at ``path`` as this release loads it, or a :class:`ConfigError` that says why it cannot: a family
+    this release does not ship (named from the file, before transformers' own "does not recognize this
+    architecture"), or transformers' own refusal of the file (a key a newer release wrote, a value an older one
+    checks strictly), with the release that saved the file."""
+    from .families import family
+    from .resolve import installed_families
+
+    named = raw.get("model_type") if isinstance(raw, dict) else None
+    if isinstance(named, str):
+        try:
+            fam = family(named)
+        except TfcompatError:
+            fam = None  # not a family tfcompat knows: transformers says what it makes of it below
+        if fam is not None and fam.name not in installed_families():
+            raise ConfigError(f"tfcompat.config.drift: transformers {_release()} does not ship {fam.name} (first "
+                              f"shipped in transformers {fam.since}); install transformers>={fam.since} to load "
+                              f"{path}")
+    try:
+        return load_config(path)
+    except TfcompatError:
+        raise
+    except Exception as exc:  # transformers' own refusal (ValueError, huggingface_hub's strict dataclass errors)
+        saved = raw.get("transformers_version", "an unnamed release") if isinstance(raw, dict) else "unknown"
+        raise ConfigError(f"tfcompat.config.drift: transformers {_release()} cannot load {path} "
+                          f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); the file was saved by "
+                          f"transformers {saved}: load it with that release (or one that accepts the file)") from None
 
 
 def compare(raw: dict, config: Any) -> list:

@@ -194,22 +194,17 @@ def _load_model(args, path):
     status where the file's RoPE settings drift on this release. Raises where the file cannot be served."""
     from .. import version
     from .._probe import resolve as _resolve
-    from .._probe.drift import compare, load_config, raw_of
+    from .._probe.drift import compare, load_config, loadable, raw_of
     from .._probe.families import family
     from .scale import scaled_config
 
     version.require_supported_transformers("tfcompat check")
     try:  # the family before transformers' own "does not recognize this architecture"
-        named = raw_of(path).get("model_type")
-    except (ConfigError, AttributeError):
-        named = None  # load_config says what is wrong with the file
-    if isinstance(named, str) and family(named).name not in _resolve.installed_families():
-        fam = family(named)
-        raise TfcompatError(f"transformers {_dist_version('transformers')} does not ship {fam.name} (first "
-                            f"shipped in transformers {fam.since}); install transformers>={fam.since} to "
-                            f"load this checkpoint")
+        raw = raw_of(path)
+    except ConfigError:
+        raw = None  # load_config says what is wrong with the file
     _quiet_transformers()  # its log lines on the file's keys: the drift comparison below says what they mean
-    config = load_config(path)
+    config = loadable(path, raw) if isinstance(raw, dict) else load_config(path)
     fam = family(config)
     if fam.name not in _resolve.installed_families():
         raise TfcompatError(f"transformers {_dist_version('transformers')} does not ship {fam.name} (first "
