@@ -1,9 +1,11 @@
 """Test helpers: the upstream oracle, read straight from the installed transformers."""
 
+import contextlib
 import functools
 import importlib
 import inspect
 import os
+import warnings
 
 import pytest
 import torch
@@ -227,3 +229,15 @@ def calls_per_layer(build, call, skip=frozenset()):
                 sys.setprofile(None)
         counts.append(seen)
     return {k: (counts[1][k] - counts[0][k]) / 4 for k in counts[0]}, counts
+
+
+@contextlib.contextmanager
+def said_if_not_served(impl):
+    """``impl="triton"`` asked for a call the fused kernel cannot serve: tfcompat says so (a RuntimeWarning naming
+    why) and the composite computes it. Recorded where a test provokes it; any other tfcompat warning fails."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    ours = [w for w in caught if str(w.message).startswith("tfcompat")]
+    wrong = [str(w.message) for w in ours if impl != "triton" or "cannot serve this call" not in str(w.message)]
+    assert not wrong, wrong

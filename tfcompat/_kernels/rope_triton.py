@@ -1,9 +1,9 @@
 """Fused Triton RoPE: one launch rotates q and k, forward or backward, for every convention tfcompat covers.
 
-Tuned for CUDA: each program rotates a tile of rows (one token and head each) of q or of k, so a call is
-one kernel launch that reads q and k once and writes them once (out of place) or back into them (in
-place); cos/sin rows are re-read per head from cache. Nothing
-is synced with the host and nothing of q's size is saved for backward: the backward is the inverse
+Tuned for CUDA, after Liger-Kernel's RoPE (a program per token, every head of q and k): each program rotates a
+block of tokens and every q and k head of them, so a call is one kernel launch that reads q and k once and writes
+them once (out of place) or back into them (in place), and reads each token's cos/sin row once (before the head
+loops), with the token's offsets computed once per token, not per (token, head). Nothing is synced with the host and nothing of q's size is saved for backward: the backward is the inverse
 rotation, the same kernel with ``INVERSE`` set. On CPU tensors Triton runs it in its interpreter
 (``TRITON_INTERPRET=1``, set before triton is imported): slow, for testing only.
 
@@ -26,9 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-# Sized for the GPU (registers, spills), not for the interpreter: a program rotates _PAIRS pairs (rows of one token
-# and head times the rotary pairs of a row, padded to a power of two) with _WARPS warps, 4 pairs a thread, and
-# copies a partial-rotary tail in chunks of the same size. Triton's compiler, run with no device
+# Sized for the GPU (registers, spills), not for the interpreter: a program holds _PAIRS pairs of a head at a time
+# (its tokens times the rotary pairs of a row, padded to a power of two: the cos/sin tile it keeps for every head)
+# with _WARPS warps, 4 pairs a thread, loops over the heads, and copies a partial-rotary tail in chunks of the same
+# size. Triton's compiler, run with no device
 # (tools/compile_proof.py, tests/test_compile_proof.py), proves every variant the launcher below can produce for
 # sm_80, sm_90 and sm_100: no spill, at most _MAX_REGISTERS registers a thread, so at least 4 programs (16 warps)
 # reside on an SM to keep loads in flight. (A 4096-pair tile, sized in the interpreter, spilled in every variant.)
@@ -74,75 +75,69 @@ def _trig(ptr, base, j, sec0, sec1, sr, sd, mask, HALF: tl.constexpr, ROWS3: tl.
 
 
 @triton.jit
-def _rotate_rows(x_ptr, o_ptr, xb, xh, xs, xd, ob, oh, os_, od, cos_ptr, sin_ptr, cb, cs, cr, cd, sb, ss, sr, sd,
-                 sec0, sec1, row0, n_rows, seq, heads,
-                 D: tl.constexpr, RD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+def _rotate_heads(x_ptr, o_ptr, xrow, orow, xh, xd, oh, od, heads, c1, c2, s1, s2, i, mask, tmask,
+                  D: tl.constexpr, RD: tl.constexpr, BLOCK_TAIL: tl.constexpr, IN_PAIRS: tl.constexpr,
+                  OUT_PAIRS: tl.constexpr, INVERSE: tl.constexpr, COPY_TAIL: tl.constexpr, UPCAST: tl.constexpr):
+    """Every head of one tensor at the program's tokens, with the cos/sin the program loaded once: the head loop
+    steps the row pointers by the head stride (64-bit pointer arithmetic, no index division per head)."""
+    HALF: tl.constexpr = RD // 2
+    ia, ib = _pair_index(i, HALF, IN_PAIRS)
+    oa, obb = _pair_index(i, HALF, OUT_PAIRS)
+    xp = x_ptr + xrow
+    op = o_ptr + orow
+    for _h in range(0, heads):
+        a = tl.load(xp + ia[None, :] * xd, mask=mask, other=0.0)
+        bb = tl.load(xp + ib[None, :] * xd, mask=mask, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            bb = bb.to(tl.float32)
+        if INVERSE:  # da = ga c1 + gb s2 ; db = gb c2 - ga s1
+            ra = a * c1 + bb * s2
+            rb = bb * c2 - a * s1
+        else:  # out_a = a c1 - b s1 ; out_b = b c2 + a s2
+            ra = a * c1 - bb * s1
+            rb = bb * c2 + a * s2
+        tl.store(op + oa[None, :] * od, ra.to(o_ptr.dtype.element_ty), mask=mask)
+        tl.store(op + obb[None, :] * od, rb.to(o_ptr.dtype.element_ty), mask=mask)
+        if COPY_TAIL:  # partial rotary, out of place: the channels past RD pass through, BLOCK_TAIL at a time
+            for c0 in range(RD, D, BLOCK_TAIL):
+                c = c0 + tl.arange(0, BLOCK_TAIL)
+                cmask = tmask[:, None] & (c < D)[None, :]
+                tail = tl.load(xp + c[None, :] * xd, mask=cmask, other=0.0)
+                tl.store(op + c[None, :] * od, tail, mask=cmask)
+        xp += xh
+        op += oh
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, seq, hq, hk, n_tokens, sec0, sec1,
+                 qb, qh, qs, qd, kb, kh, ks, kd, qob, qoh, qos, qod, kob, koh, kos, kod,
+                 cb, cs, cr, cd, sb, ss, sr, sd,
+                 D: tl.constexpr, RD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr,
                  BLOCK_TAIL: tl.constexpr, IN_PAIRS: tl.constexpr, OUT_PAIRS: tl.constexpr, COS_MODE: tl.constexpr,
                  ROWS3: tl.constexpr, INVERSE: tl.constexpr, COPY_TAIL: tl.constexpr, UPCAST: tl.constexpr):
-    """BLOCK_R rows (one token and head each) of one tensor: the rotary channels, then the tail."""
+    """A program rotates BLOCK_T tokens: every q head, then every k head (q and k in one launch). The cos/sin rows
+    of its tokens are loaded once, before the head loops, and the token's offsets are computed once per token."""
     HALF: tl.constexpr = RD // 2
-    # row indices in int32 (the launcher refuses 2**31 rows); offsets in int64: q past 2**31 elements stays exact.
-    # 64-bit division of every row index cost registers and spilled on sm_80-sm_100
-    r = row0 + tl.arange(0, BLOCK_R)
-    rmask = r < n_rows
-    h = (r % heads).to(tl.int64)
-    t = r // heads
+    # token indices in int32 (the launcher refuses 2**31 tokens); offsets in int64: q past 2**31 elements stays exact
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < n_tokens
     s = (t % seq).to(tl.int64)
     b = (t // seq).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
-    mask = rmask[:, None] & (i < HALF)[None, :]
+    mask = tmask[:, None] & (i < HALF)[None, :]
     j1, j2 = _pair_index(i, HALF, COS_MODE)
-    x_dtype = x_ptr.dtype.element_ty
+    x_dtype = q_ptr.dtype.element_ty
     cbase = (b * cb + s * cs)[:, None]
     sbase = (b * sb + s * ss)[:, None]
     c1 = _trig(cos_ptr, cbase, j1[None, :], sec0, sec1, cr, cd, mask, HALF, ROWS3, x_dtype, UPCAST)
     c2 = _trig(cos_ptr, cbase, j2[None, :], sec0, sec1, cr, cd, mask, HALF, ROWS3, x_dtype, UPCAST)
     s1 = _trig(sin_ptr, sbase, j1[None, :], sec0, sec1, sr, sd, mask, HALF, ROWS3, x_dtype, UPCAST)
     s2 = _trig(sin_ptr, sbase, j2[None, :], sec0, sec1, sr, sd, mask, HALF, ROWS3, x_dtype, UPCAST)
-    ia, ib = _pair_index(i, HALF, IN_PAIRS)
-    oa, obb = _pair_index(i, HALF, OUT_PAIRS)
-    xrow = x_ptr + (b * xb + s * xs + h * xh)[:, None]
-    orow = o_ptr + (b * ob + s * os_ + h * oh)[:, None]
-    a = tl.load(xrow + ia[None, :] * xd, mask=mask, other=0.0)
-    bb = tl.load(xrow + ib[None, :] * xd, mask=mask, other=0.0)
-    if UPCAST:
-        a = a.to(tl.float32)
-        bb = bb.to(tl.float32)
-    if INVERSE:  # da = ga c1 + gb s2 ; db = gb c2 - ga s1
-        ra = a * c1 + bb * s2
-        rb = bb * c2 - a * s1
-    else:  # out_a = a c1 - b s1 ; out_b = b c2 + a s2
-        ra = a * c1 - bb * s1
-        rb = bb * c2 + a * s2
-    tl.store(orow + oa[None, :] * od, ra.to(o_ptr.dtype.element_ty), mask=mask)
-    tl.store(orow + obb[None, :] * od, rb.to(o_ptr.dtype.element_ty), mask=mask)
-    if COPY_TAIL:  # partial rotary, out of place: the channels past RD pass through, BLOCK_TAIL at a time
-        for c0 in range(RD, D, BLOCK_TAIL):
-            c = c0 + tl.arange(0, BLOCK_TAIL)
-            tmask = rmask[:, None] & (c < D)[None, :]
-            tail = tl.load(xrow + c[None, :] * xd, mask=tmask, other=0.0)
-            tl.store(orow + c[None, :] * od, tail, mask=tmask)
-
-
-@triton.jit
-def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, seq, hq, hk, q_rows, k_rows, q_programs, sec0, sec1,
-                 qb, qh, qs, qd, kb, kh, ks, kd, qob, qoh, qos, qod, kob, koh, kos, kod,
-                 cb, cs, cr, cd, sb, ss, sr, sd,
-                 D: tl.constexpr, RD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                 BLOCK_TAIL: tl.constexpr, IN_PAIRS: tl.constexpr, OUT_PAIRS: tl.constexpr, COS_MODE: tl.constexpr,
-                 ROWS3: tl.constexpr, INVERSE: tl.constexpr, COPY_TAIL: tl.constexpr, UPCAST: tl.constexpr):
-    """Programs [0, q_programs) rotate rows of q, the rest rows of k: q and k in one launch."""
-    pid = tl.program_id(0)
-    if pid < q_programs:
-        _rotate_rows(q_ptr, qo_ptr, qb, qh, qs, qd, qob, qoh, qos, qod, cos_ptr, sin_ptr, cb, cs, cr, cd,
-                     sb, ss, sr, sd, sec0, sec1, pid * BLOCK_R, q_rows, seq, hq,
-                     D, RD, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, IN_PAIRS, OUT_PAIRS, COS_MODE, ROWS3, INVERSE,
-                     COPY_TAIL, UPCAST)
-    else:
-        _rotate_rows(k_ptr, ko_ptr, kb, kh, ks, kd, kob, koh, kos, kod, cos_ptr, sin_ptr, cb, cs, cr, cd,
-                     sb, ss, sr, sd, sec0, sec1, (pid - q_programs) * BLOCK_R, k_rows, seq, hk,
-                     D, RD, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, IN_PAIRS, OUT_PAIRS, COS_MODE, ROWS3, INVERSE,
-                     COPY_TAIL, UPCAST)
+    _rotate_heads(q_ptr, qo_ptr, (b * qb + s * qs)[:, None], (b * qob + s * qos)[:, None], qh, qd, qoh, qod, hq,
+                  c1, c2, s1, s2, i, mask, tmask, D, RD, BLOCK_TAIL, IN_PAIRS, OUT_PAIRS, INVERSE, COPY_TAIL, UPCAST)
+    _rotate_heads(k_ptr, ko_ptr, (b * kb + s * ks)[:, None], (b * kob + s * kos)[:, None], kh, kd, koh, kod, hk,
+                  c1, c2, s1, s2, i, mask, tmask, D, RD, BLOCK_TAIL, IN_PAIRS, OUT_PAIRS, INVERSE, COPY_TAIL, UPCAST)
 
 
 _COS_MODES = {"neox": 0, "pairs": 1, "half": 2}
@@ -208,9 +203,9 @@ def _check_launch(q4, k4, qo4, ko4, cos, sin, rows3, section):
     if rows3 and (cos.shape[0] != 3 or section is None or len(section) != 3 or
                   2 * sum(section) != cos.shape[-1]):
         problems.append(f"3-row cos {tuple(cos.shape)} with sections {section}")
-    rows = batch * seq * max(q4.shape[1], k4.shape[1])
-    if rows + _INTERPRETER_PAIRS >= 2 ** 31:  # the kernel indexes rows in int32 (offsets in int64)
-        problems.append(f"{rows} rows (tokens x heads) of one tensor reach 2**31")
+    tokens = batch * seq
+    if tokens + _INTERPRETER_PAIRS >= 2 ** 31:  # the kernel indexes tokens in int32 (offsets in int64)
+        problems.append(f"{tokens} tokens (batch x seq) reach 2**31")
     if problems:
         raise RopeShapeError("tfcompat triton RoPE: " + "; ".join(problems) + "; nothing was launched (use "
                              "impl='composite', or pass tensors of the layout apply_rope documents)")
@@ -243,13 +238,12 @@ def _plan(q, k, qo, ko, cos, sin, layout, seq_dim, inverse):
     sec0, sec1 = (tuple(layout.section) + (0, 0))[:2] if rows3 else (0, 0)  # 1-3 sections: T, H, rest W
     block_half = triton.next_power_of_2(max(rd // 2, 1))
     pairs = _INTERPRETER_PAIRS if _INTERPRETED else _PAIRS
-    block_r = max(1, pairs // block_half)
-    q_rows, k_rows = batch * seq * hq, batch * seq * hk
-    q_programs = triton.cdiv(q_rows, block_r)
-    grid = (q_programs + triton.cdiv(k_rows, block_r),)
-    args = (q4, k4, qo4, ko4, cos, sin, seq, hq, hk, q_rows, k_rows, q_programs, sec0, sec1,
+    block_t = max(1, pairs // block_half)  # tokens a program rotates, every head of each
+    n_tokens = batch * seq
+    grid = (triton.cdiv(n_tokens, block_t),)
+    args = (q4, k4, qo4, ko4, cos, sin, seq, hq, hk, n_tokens, sec0, sec1,
             *q4.stride(), *k4.stride(), *qo4.stride(), *ko4.stride(), *trig_strides(cos), *trig_strides(sin))
-    meta = dict(D=dim, RD=rd, BLOCK_R=block_r, BLOCK_HALF=block_half,
+    meta = dict(D=dim, RD=rd, BLOCK_T=block_t, BLOCK_HALF=block_half,
                 BLOCK_TAIL=min(block_half, triton.next_power_of_2(max(dim - rd, 1))),
                 IN_PAIRS=int(in_pairs), OUT_PAIRS=int(out_pairs), COS_MODE=layout.cos_mode, ROWS3=rows3,
                 INVERSE=inverse, COPY_TAIL=(dim > rd and qo is not q),

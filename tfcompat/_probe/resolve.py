@@ -173,15 +173,23 @@ def _resolve_rope_init(fam, capability):
                       (module.name, fam.rotary))
 
 
-@functools.lru_cache(maxsize=None)
+#: rope_types()'s answer, kept in a global, not an ``lru_cache``: apply_rope(config=...) reads it inside regions
+#: torch.compile traces (dynamo traces through a cache wrapper and warns that it ignores it)
+_ROPE_TYPES = None
+
+
 def rope_types():
     """"default" and every rope type the release's ROPE_INIT_FUNCTIONS can build (read when a config is, never
     by ``report``)."""
-    try:
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    except ImportError:  # a release without the table builds the default rope only
-        return ("default",)
-    return tuple(dict.fromkeys(("default", *sorted(ROPE_INIT_FUNCTIONS))))
+    global _ROPE_TYPES
+    if _ROPE_TYPES is None:
+        try:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        except ImportError:  # a release without the table builds the default rope only
+            _ROPE_TYPES = ("default",)
+        else:
+            _ROPE_TYPES = tuple(dict.fromkeys(("default", *sorted(ROPE_INIT_FUNCTIONS))))
+    return _ROPE_TYPES
 
 
 def _resolve_attention(fam, capability):
@@ -274,7 +282,8 @@ def clear_cache():
         _version.transformers_version.cache_clear()
         _module.cache_clear()
         _root.cache_clear()
-        rope_types.cache_clear()
+        global _ROPE_TYPES
+        _ROPE_TYPES = None
 
 
 def kinds(family):
