@@ -41,6 +41,11 @@ def test_rope_kernel_compiles_for_the_gpu_without_spills(arch, part, tmp_path):
     assert not bad, "\n".join(f"{r['variant']} {r['target']}: {r}" for r in bad[:20])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert len(rows) >= 50 and all(r["target"] == f"sm_{arch}" for r in rows)
+    # read from the compiler's IR: every program loads its tokens' cos/sin once (4 loads; 2 for GPT-J's half cos,
+    # whose two channels are one) before the loops over the q and k heads (2 loads of x a head)
+    for r in rows:
+        want = 2 if r["variant"].startswith("gptj-half") else 4
+        assert r["loads_per_token"] == want and r["loads_per_head"] >= 4, r
 
 
 def test_the_enumeration_reaches_every_switch():

@@ -16,7 +16,9 @@ signature, constants and alignment attributes are those a launch on that GPU com
 
 A variant fails on a compile error, any spill byte, or more registers a thread than the launch is designed for
 (``rope_triton._MAX_REGISTERS``). Exit status 0 only if every variant passes. The table's columns: variant,
-target, registers, spill stores/loads (bytes), compile seconds.
+target, registers, spill stores/loads (bytes), the loads outside / inside the head loops in Triton's IR (a program
+loads its tokens' cos/sin once, 4 loads (2 for GPT-J's half cos), then loops over every q and k head: cos/sin are read per token, not per
+(token, head)), compile seconds.
 
 Runs without ``TRITON_INTERPRET`` (the interpreter replaces the kernels: this script unsets it for itself). Each
 run uses a fresh Triton cache, so ptxas runs for every variant.
@@ -153,7 +155,8 @@ def _compile(job):
            "error": None}
     try:
         with contextlib.redirect_stdout(log):
-            triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options.__dict__)
+            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options.__dict__)
+        row["loads_per_token"], row["loads_per_head"] = load_placement(compiled.asm["ttir"])
     except Exception as exc:  # a compile error is the proof failing: report it, do not stop the others
         row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
     for m in _PTXAS.finditer(log.getvalue()):
@@ -165,10 +168,37 @@ def _compile(job):
     return row
 
 
+def load_placement(ttir):
+    """(loads outside every loop, loads inside the head loops) of the kernel's Triton IR, read from the compiler's
+    own output: a program loads its tokens' cos/sin rows once (4 loads: two channels of cos and of sin), before the
+    ``scf.for`` loops over the q and k heads, which load x (2 a head, plus a partial-rotary tail's chunks)."""
+    depth, outside, inside = 0, 0, 0
+    for line in ttir.splitlines():
+        text = line.strip()
+        if "tt.load" in text:
+            if depth:
+                inside += 1
+            else:
+                outside += 1
+        if text.startswith("scf.for") or " = scf.for " in text:
+            depth += 1
+        elif text == "}" and depth:
+            depth -= 1
+    return outside, inside
+
+
+#: the cos/sin loads a program makes per token (``load_placement``), never per (token, head): two channels of cos and
+#: of sin, or one of each where the two channels are one (GPT-J's half cos: the compiler merges the equal loads)
+TRIG_LOADS = (2, 4)
+
+
 def verdict(row, max_registers):
     """Why a compiled variant fails the proof ('' when it passes)."""
     if row["error"]:
         return row["error"]
+    if row.get("loads_per_token") not in TRIG_LOADS or not row.get("loads_per_head"):
+        return (f"{row.get('loads_per_token')} loads outside the head loops (cos/sin: 2 or 4 a token, loaded "
+                f"once for every head), {row.get('loads_per_head')} inside")
     if row["registers"] is None or row["spill_stores"] is None:
         return "ptxas reported no register or spill counts"
     if row["spill_stores"] or row["spill_loads"]:
@@ -236,17 +266,19 @@ def main(argv=None):
     rows, max_regs = prove(tuple(opts.arch or ARCHS), opts.jobs, opts.only, opts.all, (k, n))
     took = time.perf_counter() - t0
     failed = 0
-    print(f"{'variant':<52} {'target':<7} {'regs':>4} {'spill':>9}  {'s':>5}  verdict")
+    print(f"{'variant':<52} {'target':<7} {'regs':>4} {'spill':>9} {'loads t/h':>9}  {'s':>5}  verdict")
     for row in rows:
         why = verdict(row, max_regs)
         failed += bool(why)
         spill = "-" if row["spill_stores"] is None else f"{row['spill_stores']}/{row['spill_loads']}"
-        print(f"{row['variant']:<52} {row['target']:<7} {row['registers'] or '-':>4} {spill:>9}  "
+        loads = f"{row.get('loads_per_token', '-')}/{row.get('loads_per_head', '-')}"
+        print(f"{row['variant']:<52} {row['target']:<7} {row['registers'] or '-':>4} {spill:>9} {loads:>9}  "
               f"{row['seconds']:>5.1f}  {why or 'ok'}")
     regs = [r["registers"] for r in rows if r["registers"] is not None]
     print(f"{len(rows)} compiled variants ({', '.join(f'sm_{a}' for a in (opts.arch or ARCHS))}), {failed} failed; "
           f"registers {min(regs, default=0)}-{max(regs, default=0)} (limit {max_regs}), spill bytes "
-          f"{sum((r['spill_stores'] or 0) + (r['spill_loads'] or 0) for r in rows)}; {took:.0f} s")
+          f"{sum((r['spill_stores'] or 0) + (r['spill_loads'] or 0) for r in rows)}; cos/sin loads per token "
+          f"(outside the head loops) {sorted({r.get('loads_per_token') for r in rows}, key=str)}; {took:.0f} s")
     if opts.json:
         with open(opts.json, "w") as fh:
             json.dump({"max_registers": max_regs, "rows": rows}, fh, indent=1)
