@@ -99,6 +99,35 @@ def test_torch_varlen_call_has_no_gqa_flag_for_equal_heads():
     assert kwargs["enable_gqa"] is False and kwargs["window_size"] == (-1, 0)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", [None, 1, 3])
+def test_flash_attn_3_call_binds_and_means_what_the_fallback_computes(causal, window):
+    """flash-attn 3's own call (read from hopper/flash_attn_interface.py): the seven leading positionals, no dropout,
+    the 2.x window and causal convention, GQA by fewer kv heads; its output only (``return_attn_probs=False``)."""
+    q, k, v, cu = _row()
+    args, kwargs = calls.flash3_call(q, k, v, cu, 6, causal=causal, scale=0.3, window=window)
+    bound = FLASH3.bind(*args, **kwargs).arguments
+    assert bound["cu_seqlens_q"] is cu and bound["cu_seqlens_k"] is cu and bound["max_seqlen_q"] == 6
+    assert bound["softmax_scale"] == 0.3 and bound["causal"] is causal and bound["return_attn_probs"] is False
+    assert "seqused_q" not in bound and "dropout_p" not in FLASH3.parameters
+    got = _by_convention(q, k, v, cu, bound["causal"], bound["window_size"], bound["softmax_scale"])
+    want = _sdpa_fallback(q, k, v, cu.tolist(), 0.3, causal, window, 0.0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert calls.fits(FLASH3, "flash_attn_3") == ""
+    older = calls.signature((calls.FLASH_ATTN_3["spec"][0], {n: None for n in ("softmax_scale", "causal")}, ()))
+    assert "window_size" in calls.fits(older, "flash_attn_3")  # a build without the keyword is not called
+    out = torch.ones(2)
+    assert calls.first_output((out, torch.zeros(1))) is out and calls.first_output(out) is out
+
+
+def test_report_names_flash_attn_3():
+    """``report`` lists flash-attn 3's row with why it does not serve here (not installed, no Hopper GPU)."""
+    reasons = proofs.varlen_unfit()
+    assert "flash_attn_3" in reasons and reasons["flash_attn_3"], reasons
+    text = " ".join(r.reason for r in _backends.environment())
+    assert "flash_attn_3" in text, text
+
+
 def test_flash_attn_3_is_not_called_with_the_2x_convention():
     """flash-attn 3 puts seqused_q where 2.x has dropout_p and has no dropout: the 2.x call must not reach it."""
     q, k, v, cu = _row()

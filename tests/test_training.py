@@ -812,7 +812,17 @@ def _stand_in_torch(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scal
                            causal=right == 0, window_size=(left, -1))
 
 
-@pytest.mark.parametrize("kind", ["flash_attn", "torch_varlen"])
+def _stand_in_flash3(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
+                     seqused_k=None, softmax_scale=None, causal=False, window_size=(-1, -1), deterministic=False,
+                     return_attn_probs=False, **kwargs):
+    """flash-attn 3's flash_attn_varlen_func as called (its own names; no dropout), returning ``(out, lse)`` as
+    older builds do whatever ``return_attn_probs`` says: tfcompat takes the output."""
+    out = _stand_in_flash(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
+                          causal=causal, window_size=window_size)
+    return out, torch.zeros(q.shape[1], q.shape[0])
+
+
+@pytest.mark.parametrize("kind", ["flash_attn_3", "flash_attn", "torch_varlen"])
 def test_per_layer_calls_on_the_gpu_kernels(kind, monkeypatch):
     """The GPU kernels' path (flash-attn's varlen function, torch's varlen_attn) through the patched model, with
     stand-ins registered where tfcompat looks the real ones up and the kernel chosen for these CPU tensors: the
@@ -832,6 +842,7 @@ def test_per_layer_calls_on_the_gpu_kernels(kind, monkeypatch):
 
     monkeypatch.setattr(kernels, "_kind", chosen)
     monkeypatch.setattr(varlen_choice, "_FLASH", _stand_in_flash)
+    monkeypatch.setattr(varlen_choice, "_FLASH3", _stand_in_flash3)
     monkeypatch.setattr(varlen_choice, "torch_varlen", lambda: _stand_in_torch)
     monkeypatch.setattr(varlen_choice, "torch_takes_gqa", lambda: True)
     try:

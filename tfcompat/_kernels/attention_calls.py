@@ -7,8 +7,9 @@ handed to the library) and the tests bind it against the real signatures: the in
 their public source:
 
 - flash-attn 2.7.0-2.7.4.post1 and 2.8.0-2.8.3 (``flash_attn/flash_attn_interface.py``): one signature;
-- flash-attn 3 (``hopper/flash_attn_interface.py``, imported as ``flash_attn_interface``): a different one
-  (``seqused_q`` in dropout's place, no dropout): tfcompat does not call it (only ``flash_attn`` is imported);
+- flash-attn 3 (``hopper/flash_attn_interface.py``, imported as ``flash_attn_interface``, Hopper GPUs): a different
+  one (``seqused_q`` in dropout's place, no dropout; ``return_attn_probs`` decides whether the log-sum-exp comes
+  back too): called by its own convention (:func:`flash3_call`), never with flash-attn 2's;
 - torch's ``varlen_attn`` as shipped in 2.13 (``enable_gqa`` needed for fewer kv heads) and as on a branch that
   has ``k_cache`` and no ``enable_gqa`` (kv heads shared by the flash kernel itself).
 
@@ -28,7 +29,8 @@ Conventions (each checked by a test against the functions' documented behaviour,
 import inspect
 from typing import Any
 
-__all__ = ["FLASH_ATTN_2", "FLASH_ATTN_3", "TORCH_VARLEN", "signature", "flash_call", "torch_call", "fits",
+__all__ = ["FLASH_ATTN_2", "FLASH_ATTN_3", "TORCH_VARLEN", "signature", "flash_call", "flash3_call", "first_output",
+           "torch_call", "fits",
            "deterministic", "unfit_shapes"]
 
 _P = inspect.Parameter
@@ -55,7 +57,8 @@ FLASH_ATTN_2 = {
                             "softcap": 0.0, "alibi_slopes": None, "deterministic": False,
                             "return_attn_probs": False, "block_table": None}, ()),
 }
-#: flash-attn 3 (``flash_attn_interface.flash_attn_varlen_func``): seqused_q where 2.x has dropout_p; not called
+#: flash-attn 3 (``flash_attn_interface.flash_attn_varlen_func``): seqused_q where 2.x has dropout_p, no dropout;
+#: the same window and causal convention as 2.x (keys ``[i + sk - sq - left, i + sk - sq + right]``, bottom-right)
 FLASH_ATTN_3 = {
     "releases": ("hopper/flash_attn_interface.py at commit 0251105a (2026-08)",),
     "spec": (_VARLEN_HEAD, {"seqused_q": None, "seqused_k": None, "softmax_scale": None, "causal": False, "qv": None,
@@ -96,6 +99,20 @@ def flash_call(q, k, v, cu, max_len, *, causal, scale, window, dropout_p, determ
                                                    window_size=win, deterministic=deterministic)
 
 
+def flash3_call(q, k, v, cu, max_len, *, causal, scale, window, deterministic=False):
+    """``(args, kwargs)`` for flash-attn 3's ``flash_attn_varlen_func`` (no dropout: its row serves none). The seven
+    leading positionals as 2.x; ``return_attn_probs=False`` said aloud (older builds return ``(out, lse)`` whatever
+    it says: :func:`first_output` takes the output)."""
+    win = (-1, -1) if window is None else _window(causal, window)
+    return (q, k, v, cu, cu, max_len, max_len), dict(softmax_scale=scale, causal=causal, window_size=win,
+                                                   deterministic=deterministic, return_attn_probs=False)
+
+
+def first_output(result):
+    """The attention output of a kernel that may also return its log-sum-exp (flash-attn 3 builds differ)."""
+    return result[0] if isinstance(result, tuple) else result
+
+
 def deterministic():
     """transformers' rule for flash-attn's ``deterministic``: ``FLASH_ATTENTION_DETERMINISTIC=1``, or torch's
     deterministic algorithms switched on (``torch.use_deterministic_algorithms(True)``)."""
@@ -130,6 +147,7 @@ def torch_call(q, k, v, cu, max_len, *, causal, scale, window, params):
 
 
 _FLASH_NEEDS = ("dropout_p", "softmax_scale", "causal", "window_size", "deterministic")
+_FLASH3_NEEDS = ("softmax_scale", "causal", "window_size", "deterministic", "return_attn_probs")
 _TORCH_NEEDS = ("scale", "window_size")
 
 
@@ -155,12 +173,12 @@ def source_signature(path, name):
 
 
 #: the keywords each kernel's call passes, by the row's name
-_NEEDS = {"flash_attn": _FLASH_NEEDS, "torch_varlen": _TORCH_NEEDS}
+_NEEDS = {"flash_attn": _FLASH_NEEDS, "flash_attn_3": _FLASH3_NEEDS, "torch_varlen": _TORCH_NEEDS}
 
 
 def fits(fn, kind):
     """Why tfcompat's call does not fit ``fn``'s real signature ('' when it does): the seven leading positional
-    parameters and the keywords the call passes. ``kind``: "flash_attn" or "torch_varlen"."""
+    parameters and the keywords the call passes. ``kind``: "flash_attn", "flash_attn_3" or "torch_varlen"."""
     try:
         sig = fn if isinstance(fn, inspect.Signature) else inspect.signature(fn)
     except (TypeError, ValueError) as exc:

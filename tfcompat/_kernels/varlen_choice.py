@@ -26,6 +26,33 @@ def flash_varlen():
     return flash_attn_varlen_func
 
 
+#: flash-attn 3's varlen function (``flash_attn_interface``, Hopper builds), looked up once: a global, as _FLASH
+_FLASH3 = None
+
+
+def flash3_varlen():
+    """flash-attn 3's ``flash_attn_interface.flash_attn_varlen_func``, or None where it is absent or does not
+    import."""
+    global _FLASH3
+    if _FLASH3 is None:
+        try:
+            from flash_attn_interface import flash_attn_varlen_func
+        except Exception:  # not installed, or built for another torch/CUDA
+            return None
+        _FLASH3 = flash_attn_varlen_func
+    return _FLASH3
+
+
+def _hopper():
+    """Why this machine's GPU cannot run flash-attn 3 ('' on a Hopper GPU: compute capability 9.x)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    major, minor = torch.cuda.get_device_capability()
+    return "" if major == 9 else f"flash-attn 3 runs on Hopper (sm_90); this GPU is sm_{major}{minor}"
+
+
 #: torch's varlen function, looked up by the first call: held in a global, not an ``lru_cache``, because compiled
 #: layers call :func:`torch_varlen` (dynamo traces through a cache wrapper and warns that it ignores it)
 _TORCH_VARLEN = None
@@ -91,6 +118,14 @@ def varlen_unfit():
     else:
         unfit = calls.fits(flash_varlen(), "flash_attn")
         why["flash_attn"] = f"flash_attn_varlen_func does not take tfcompat's call: {unfit}" if unfit else ""
+    if not installed("flash_attn_interface"):
+        why["flash_attn_3"] = "flash-attn 3 (flash_attn_interface, Hopper) is not installed"
+    elif flash3_varlen() is None:
+        why["flash_attn_3"] = "flash_attn_interface is installed but does not import (built for another torch or CUDA?)"
+    else:
+        unfit = calls.fits(flash3_varlen(), "flash_attn_3")
+        why["flash_attn_3"] = f"flash_attn_interface.flash_attn_varlen_func does not take tfcompat's call: {unfit}" \
+            if unfit else _hopper()
     sig = torch_varlen_signature()
     if sig is None:
         why["torch_varlen"] = "this torch has no torch.nn.attention.varlen (torch >= 2.10 has it)"
@@ -113,6 +148,18 @@ def _flash_call(q, k, v, cu, max_seqlen, causal, scale, window, dropout_p):
     args, kwargs = calls.flash_call(q, k, v, cu, max_seqlen, causal=causal, scale=scale, window=window,
                                     dropout_p=dropout_p, deterministic=calls.deterministic())
     return _FLASH, args, kwargs
+
+
+def _fa3(*args, **kwargs):
+    """flash-attn 3's call, its output only (a build may return the log-sum-exp beside it)."""
+    return calls.first_output(flash3_varlen()(*args, **kwargs))
+
+
+def _flash3_call(q, k, v, cu, max_seqlen, causal, scale, window, dropout_p):
+    """flash-attn 3's row (no dropout: the row does not serve it)."""
+    args, kwargs = calls.flash3_call(q, k, v, cu, max_seqlen, causal=causal, scale=scale, window=window,
+                                     deterministic=calls.deterministic())
+    return _fa3, args, kwargs
 
 
 def _torch_call(q, k, v, cu, max_seqlen, causal, scale, window, dropout_p):
@@ -194,6 +241,9 @@ def proven(kind, call, reference, q, k, v, causal, scale, window):
 
 #: the packed-attention rows, highest priority first
 ROWS = (
+    Impl("varlen", "flash_attn_3", ("cuda",), ("float16", "bfloat16"), 40, True,
+         "flash_attn_interface.flash_attn_varlen_func (Hopper; no dropout)", dropout=False,
+         available=lambda: varlen_unfit()["flash_attn_3"], call=_flash3_call, proof=proven),
     Impl("varlen", "flash_attn", ("cuda",), ("float16", "bfloat16"), 30, True, "flash_attn_varlen_func",
          available=lambda: varlen_unfit()["flash_attn"], call=_flash_call, proof=proven),
     Impl("varlen", "torch_varlen", ("cuda",), ("float16", "bfloat16"), 20, True,
