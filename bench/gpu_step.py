@@ -33,8 +33,7 @@ import time
 import torch
 
 import tfcompat
-from tfcompat.packing import pack, unpack
-from tfcompat.testing import tiny_model
+from tfcompat.packing import pack
 
 #: the text stacks (transformers' own config keys), as their published configs give them
 SHAPES = {

@@ -367,10 +367,9 @@ def test_drift_says_what_transformers_refuses_in_a_file(tmp_path):
     saving release or the first release with the family; never transformers' own error."""
     from transformers import AutoConfig
 
+    from tfcompat._probe.families import FAMILIES  # private: every family tfcompat knows, shipped here or not
     from tfcompat.errors import ConfigError
     from tfcompat.testing import families, tiny_config
-
-    from tfcompat._probe.families import FAMILIES  # private: every family tfcompat knows, shipped here or not
 
     raw = dict(tiny_config("qwen2").to_dict(), layer_types=["full_attention"], transformers_version="5.99.0")
     folder = _written(tmp_path, raw)

@@ -17,9 +17,9 @@ from _helpers import (
     one_per_rope_kernel,
     position_ids,
     rope_impls,
-    said_if_not_served,
     rotary,
     rotary_families,
+    said_if_not_served,
     triton_ready,
     upstream_rope,
 )

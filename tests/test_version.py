@@ -62,14 +62,14 @@ def test_version_literal():
 
 @ONCE  # a wheel's stamp: the same on every release
 def test_the_package_names_its_version_and_the_commit_it_came_from():
-    """0.2.0, and the commit: read live in a checkout (editable install), stamped into a wheel built from it (tox
+    """0.3.0, and the commit: read live in a checkout (editable install), stamped into a wheel built from it (tox
     builds one: `package = wheel`); `report` prints both on its first line and in its JSON."""
     import json
 
     import tfcompat
     from tfcompat import _provenance
 
-    assert tfcompat.__version__ == "0.2.0"
+    assert tfcompat.__version__ == "0.3.0"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
@@ -79,7 +79,7 @@ def test_the_package_names_its_version_and_the_commit_it_came_from():
     if len(head) != 40:
         pytest.skip("the tests do not run in a git checkout")
     got = _provenance.provenance()
-    assert got["version"] == "0.2.0", got
+    assert got["version"] == "0.3.0", got
     assert got["commit"] == head, (f"the installed tfcompat ({got['made']}) names commit {got['commit']}, this "
                                    f"checkout is at {head}: a stale install (reinstall it), or the stamp is wrong")
     assert got["made"] == "checkout" or got["made"].startswith("wheel "), got
@@ -88,4 +88,4 @@ def test_the_package_names_its_version_and_the_commit_it_came_from():
     assert json.loads(out.stdout)["provenance"] == got
     first = subprocess.run([sys.executable, "-m", "tfcompat", "report"], capture_output=True, text=True,
                            timeout=120, cwd=os.path.dirname(root)).stdout.splitlines()[0]
-    assert first.startswith(f"tfcompat 0.2.0 (commit {head[:12]}"), first
+    assert first.startswith(f"tfcompat 0.3.0 (commit {head[:12]}"), first

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Optional
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = ["__version__", "report", "clear_cache", "patch", "unpatch", "warmup", "enable_checkpointing",
            "disable_checkpointing", "Resolution", "PatchRecord"]

@@ -49,7 +49,7 @@ def provenance():
 
 
 def describe():
-    """One phrase: ``0.2.0 (commit 1a2b3c4d5e6f)``, ``0.2.0 (commit 1a2b3c4d5e6f, vendored 2026-12-04)``."""
+    """One phrase: ``0.3.0 (commit 1a2b3c4d5e6f)``, ``0.3.0 (commit 1a2b3c4d5e6f, vendored 2026-12-05)``."""
     p = provenance()
     parts = ["commit unknown" if p["commit"] == "unknown" else f"commit {p['commit'][:12]}"]
     if p["made"] not in ("checkout", "unknown"):

@@ -17,8 +17,8 @@ signature, constants and alignment attributes are those a launch on that GPU com
 A variant fails on a compile error, any spill byte, or more registers a thread than the launch is designed for
 (``rope_triton._MAX_REGISTERS``). Exit status 0 only if every variant passes. The table's columns: variant,
 target, registers, spill stores/loads (bytes), the loads outside / inside the head loops in Triton's IR (a program
-loads its tokens' cos/sin once, 4 loads (2 for GPT-J's half cos), then loops over every q and k head: cos/sin are read per token, not per
-(token, head)), compile seconds.
+loads its tokens' cos/sin once, 4 loads (2 for GPT-J's half cos), then loops over every q and k head: cos/sin are
+read per token, not per (token, head)), compile seconds.
 
 Runs without ``TRITON_INTERPRET`` (the interpreter replaces the kernels: this script unsets it for itself). Each
 run uses a fresh Triton cache, so ptxas runs for every variant.

@@ -3,8 +3,9 @@
 Tuned for CUDA, after Liger-Kernel's RoPE (a program per token, every head of q and k): each program rotates a
 block of tokens and every q and k head of them, so a call is one kernel launch that reads q and k once and writes
 them once (out of place) or back into them (in place), and reads each token's cos/sin row once (before the head
-loops), with the token's offsets computed once per token, not per (token, head). Nothing is synced with the host and nothing of q's size is saved for backward: the backward is the inverse
-rotation, the same kernel with ``INVERSE`` set. On CPU tensors Triton runs it in its interpreter
+loops), with the token's offsets computed once per token, not per (token, head). Nothing is synced with the host
+and nothing of q's size is saved for backward: the backward is the inverse rotation, the same kernel with
+``INVERSE`` set. On CPU tensors Triton runs it in its interpreter
 (``TRITON_INTERPRET=1``, set before triton is imported): slow, for testing only.
 
 Index maps, per pair ``i`` of the rotary width ``RD`` (``HALF = RD // 2`` pairs):

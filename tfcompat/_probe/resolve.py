@@ -9,7 +9,6 @@ Every decision is a frozen :class:`Resolution`. ``report()`` lists them; ``clear
 forgets them (for tests). The resolvers come first (one per capability kind, ``_RESOLVERS``), then the cache.
 """
 
-import functools
 import re
 import sys
 import threading
