@@ -390,3 +390,29 @@ def test_drift_says_what_transformers_refuses_in_a_file(tmp_path):
         path = _written(tmp_path, {"model_type": n, "transformers_version": "5.99.0"}, name=n)
         with pytest.raises(ConfigError, match=f"first shipped in transformers {FAMILIES[n].since}"):
             drift(str(path))
+
+
+YARN = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "data", "checkpoints", "qwen2yarn--saved-by-*")))
+
+
+@pytest.mark.parametrize("folder", YARN, ids=[os.path.basename(f) for f in YARN])
+def test_yarn_factor_drift_against_the_saving_releases_own_rotary(folder):
+    """A YaRN file with factor 4 beside max_position_embeddings / original_max_position_embeddings = 128 / 64 = 2,
+    saved by 4.51.3 and by 5.24.0 with their own ``save_pretrained``; ``rotary.json`` holds the inv_freq and the
+    attention scaling the saving release's own rotary module built from it. The oracle: this release's rotary
+    module built from the same file. ``drift`` names the YaRN factor exactly when the two differ."""
+    from transformers import AutoConfig
+
+    saved = json.load(open(os.path.join(folder, "rotary.json")))
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    rotary = modeling("qwen2").Qwen2RotaryEmbedding(config=config)
+    inv = rotary.inv_freq.double()
+    differs = not torch.allclose(inv, torch.tensor(saved["inv_freq"], dtype=torch.float64), rtol=1e-6) or \
+        abs(float(rotary.attention_scaling) - saved["attention_scaling"]) > 1e-6
+    records = drift(folder)
+    found = [d for d in records if d.key.startswith("rope_scaling.factor")]
+    # a release that builds no YaRN from the file at all (4.x reads no rope_parameters) says so by rope_type
+    named = found or [d for d in records if d.key == "rope_type" and d.built != "yarn"]
+    assert bool(named) == differs, (saved["release"], str(transformers_version()), records, differs)
+    if found:
+        assert "set " in found[0].why and saved["release"] in found[0].why

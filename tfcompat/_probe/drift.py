@@ -227,6 +227,8 @@ def compare(raw: dict, config: Any) -> list:
                          f"transformers {raw.get('transformers_version', 'unknown')}); the model would train "
                          f"with theta {got['rope_theta']:g}"))
     out += _shape_drift(raw, config, want, got, release)
+    if got["rope_type"] == "yarn":  # a release that builds no YaRN from the file: rope_type says so above
+        out += _yarn_drift(raw, saved, release)
     out += _window_drift(raw, config, release, fam, saved)
     factor, reading = _saved_partial(raw, want, fam, saved)
     if isinstance(factor, (int, float)) and not isinstance(factor, bool) and got["head_dim"]:
@@ -237,6 +239,54 @@ def compare(raw: dict, config: Any) -> list:
                              f"transformers {release}'s rotary module rotates {got['rotary_dim']} of "
                              f"{got['head_dim']} channels, not {meant} ({reading})"))
     return out
+
+
+#: the first release that builds YaRN from the explicit ``factor`` where the file also gives
+#: ``original_max_position_embeddings`` (read from the wheels' ``_compute_yarn_parameters``: 4.51.3-4.55.4 replace
+#: ``factor`` by ``max_position_embeddings / original_max_position_embeddings`` for inv_freq and the attention
+#: scaling; 4.56.2, 4.57.6 and every 5.x keep the explicit factor, "Using the explicit factor")
+YARN_EXPLICIT_FACTOR_SINCE = "4.56"
+
+
+def _yarn_factor(rope, max_positions, release):
+    """The factor ``release`` builds a YaRN rope dict with: the implicit one (max / original) before 4.56."""
+    from packaging.version import Version
+
+    factor, original = rope.get("factor"), rope.get("original_max_position_embeddings")
+    if Version(str(release)) < Version(YARN_EXPLICIT_FACTOR_SINCE) and original and max_positions:
+        return float(max_positions) / float(original)
+    return float(factor)
+
+
+def _yarn_drift(raw, saved, release):
+    """A YaRN file whose ``factor`` differs from ``max_position_embeddings / original_max_position_embeddings`` (the
+    long-context recipe of the Qwen2.5/Qwen3 cards: factor 4, original 32,768, max unchanged): a release before
+    4.56 builds inv_freq and the attention scaling from the ratio, a later one from the factor, so the model the
+    saving release trained is not the model this one builds."""
+    text = _text_part(raw)
+    rope = {}
+    for key in ("rope_scaling", "rope_parameters"):
+        value = text.get(key, raw.get(key))
+        if isinstance(value, dict):
+            rope.update({k: v for k, v in value.items() if v is not None})
+    if rope.get("rope_type", rope.get("type")) != "yarn" or saved is None:
+        return []
+    factor, original = rope.get("factor"), rope.get("original_max_position_embeddings")
+    max_positions = text.get("max_position_embeddings", raw.get("max_position_embeddings"))
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+               for x in (factor, original, max_positions)):
+        return []
+    was, now = _yarn_factor(rope, max_positions, saved), _yarn_factor(rope, max_positions, release)
+    if abs(was - now) <= 1e-9 * max(abs(was), 1.0):
+        return []
+    how = {True: f"max_position_embeddings / original_max_position_embeddings = {max_positions}/{original}",
+           False: f"the explicit factor {factor:g}"}
+    keep = f"set factor to {was:g}" if now == float(factor) else \
+        f"set max_position_embeddings to {was * float(original):g}"
+    return [Drift("rope_scaling.factor (YaRN, as built)", was, now,
+                  f"transformers {saved} builds YaRN's inv_freq and attention scaling from "
+                  f"{how[was != float(factor)]}, transformers {release} from {how[now != float(factor)]}: the "
+                  f"model would train with other frequencies; {keep} in the file to build the saved model")]
 
 
 def _saved_by(raw):
