@@ -9,11 +9,13 @@ import os
 
 import pytest
 import torch
+from packaging.version import Version
 
 from tfcompat.config import drift
+from tfcompat.errors import ConfigError
 from tfcompat.version import transformers_version
 
-from _helpers import modeling
+from _helpers import installed, modeling
 
 FOLDERS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "data", "checkpoints", "qwen2-*--saved-by-*")))
 
@@ -416,3 +418,71 @@ def test_yarn_factor_drift_against_the_saving_releases_own_rotary(folder):
     assert bool(named) == differs, (saved["release"], str(transformers_version()), records, differs)
     if found:
         assert "set " in found[0].why and saved["release"] in found[0].why
+
+
+QWEN2_MOE_WINDOWS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "data", "checkpoints",
+                                                  "windows-qwen2_moe-*--saved-by-*")))
+
+
+@pytest.mark.parametrize("folder", QWEN2_MOE_WINDOWS, ids=[os.path.basename(f) for f in QWEN2_MOE_WINDOWS])
+def test_qwen2_moe_windows_against_the_saving_releases_own_model(folder):
+    """Qwen2-MoE files with ``use_sliding_window: true``, a window of 4 and ``max_window_layers`` 0 or 1, written by
+    ``save_pretrained`` of 4.51.3, 4.57.6 and 5.24.0. ``windows.json`` beside each: the layers the saving release's own
+    eager model windows (4.x: every layer, one mask; 5.x: the even layers below ``max_window_layers``, saved as
+    ``layer_types``). ``drift`` names the window exactly when this release's own model windows other layers."""
+    if "qwen2_moe" not in installed():
+        pytest.skip("this release ships no Qwen2-MoE")
+    saved = set(json.load(open(os.path.join(folder, "windows.json")))["windowed_layers"])
+    here = _windowed_layers(folder)
+    records = [r for r in drift(folder) if r.key == "sliding_window"]
+    if here == saved:
+        assert not records, [r.line() for r in records]
+        return
+    assert len(records) == 1, [r.line() for r in drift(folder)]
+    named = "all 3 layers" if saved == {0, 1, 2} else f"layers {sorted(saved)}" if saved else "no layer"
+    assert records[0].in_file == f"4 on {named}", records[0].line()
+
+
+DSA = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "data", "checkpoints", "glm_moe_dsa--saved-by-*")))
+
+
+def _dsa_layout(cls):
+    """How the installed release's own class rotates (its forward's source, imported)."""
+    import inspect
+
+    src = inspect.getsource(getattr(modeling("glm_moe_dsa"), cls).forward)
+    return "interleaved" if "apply_rotary_pos_emb_interleave(" in src else "neox"
+
+
+@pytest.mark.parametrize("folder", DSA, ids=[os.path.basename(f) for f in DSA])
+def test_glm_moe_dsa_rotation_layout_against_the_saving_release(folder):
+    """GLM-MoE-DSA files written by 5.10.4 and 5.24.0 (``partial_rotary_factor`` 0.5), with ``layout.json`` read from
+    the saving release's own attention and indexer forwards (NeoX halves or interleaved pairs) and rotary module (the
+    channels it rotates). ``drift`` names each part exactly where this release's own classes rotate it the other
+    way, and the partial rotary factor exactly where this release's rotary module rotates another width."""
+    if "glm_moe_dsa" not in installed():
+        pytest.skip("this release ships no GLM-MoE-DSA")
+    saved = json.load(open(os.path.join(folder, "layout.json")))
+    try:
+        records = {r.key: r for r in drift(folder)}
+    except ConfigError as exc:  # an older release's strict config refuses a newer file's keys: said, not guessed
+        assert "cannot load" in str(exc) and saved["release"] in str(exc)
+        assert transformers_version() < Version(saved["release"])
+        return
+    for key, cls, part in (("rotation_layout", "GlmMoeDsaAttention", "attention"),
+                           ("indexer_rotation_layout", "GlmMoeDsaIndexer", "indexer")):
+        here = _dsa_layout(cls)
+        if here == saved[part]:
+            assert key not in records, records[key].line()
+        else:
+            assert key in records, [r.line() for r in records.values()]
+            name = {"neox": "NeoX halves", "interleaved": "interleaved pairs"}
+            assert records[key].in_file.endswith(name[saved[part]]) and records[key].built.endswith(name[here])
+    # partial_rotary_factor 0.5 in rope_parameters: 5.3-5.9 rotate half the rope channels, 5.10+ all of them; the
+    # width this release's own rotary module builds from the file against the saving release's
+    from transformers import AutoConfig
+
+    width = 2 * modeling("glm_moe_dsa").GlmMoeDsaRotaryEmbedding(
+        config=AutoConfig.from_pretrained(folder, local_files_only=True)).inv_freq.shape[0]
+    assert ("partial_rotary_factor" in records) == (width != saved["rotary_width"]), \
+        (width, saved["rotary_width"], [r.line() for r in records.values()])

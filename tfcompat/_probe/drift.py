@@ -6,7 +6,7 @@ from the same file: this release's own rotary module and attention, built from t
 (no drift). For another release, the file's RoPE facts (where each release writes them: ``rope_parameters`` on 5.x,
 ``rope_scaling`` and a top-level ``rope_theta`` on 4.x, under ``text_config`` for VL families), read as that release
 read them where releases differ (measured; the family table's ``reads_partial_rotary`` and
-``one_mask_before_4_53``); a file that
+``one_mask_before_4_53``, ``one_mask_before_5``); a file that
 names no release (or a development build) is read by its keys, and the record says so. tests/test_drift.py's sweep
 holds this to the models themselves (tools/drift_sweep.py). Patch-time code: nothing per step imports it.
 """
@@ -230,6 +230,7 @@ def compare(raw: dict, config: Any) -> list:
     if got["rope_type"] == "yarn":  # a release that builds no YaRN from the file: rope_type says so above
         out += _yarn_drift(raw, saved, release)
     out += _window_drift(raw, config, release, fam, saved)
+    out += _layout_drift(raw, fam, saved, release)
     factor, reading = _saved_partial(raw, want, fam, saved)
     if isinstance(factor, (int, float)) and not isinstance(factor, bool) and got["head_dim"]:
         meant = int(got["head_dim"] * float(factor))
@@ -238,6 +239,34 @@ def compare(raw: dict, config: Any) -> list:
             out.append(Drift("partial_rotary_factor", factor, got["rotary_dim"] / got["head_dim"],
                              f"transformers {release}'s rotary module rotates {got['rotary_dim']} of "
                              f"{got['head_dim']} channels, not {meant} ({reading})"))
+    return out
+
+
+def _layout_drift(raw, fam, saved, release):
+    """Where the file was trained with another rotation of a part than this release applies (a change of code, not
+    of keys; the family table's ``rotation_layouts``): the layout the file states (GLM-5's ``rope_interleave``), else
+    the one its saving release applied."""
+    from packaging.version import Version
+
+    if fam is None:
+        return []
+    text = _text_part(raw)
+    out = []
+    for key, part, file_key, since, before, after in fam.rotation_layouts:
+        stated = text.get(file_key, raw.get(file_key))
+        if isinstance(stated, bool):
+            then, why = (after if stated else before), f"the file sets {file_key}: {str(stated).lower()}"
+        elif saved is not None:
+            then = before if Version(str(saved)) < Version(since) else after
+            why = f"transformers {saved}, which saved the file, rotates {part} as {then}"
+        else:
+            continue
+        now = before if Version(str(release)) < Version(since) else after
+        if then != now:
+            out.append(Drift(key, f"{part}: {then}", f"{part}: {now}",
+                             f"{why}; transformers {release} rotates them as {now} whatever the file says (the change "
+                             f"came in {since}); the model would train and infer with other attention than it was "
+                             f"trained with"))
     return out
 
 
@@ -319,6 +348,10 @@ def _saved_partial(raw, want, fam, saved):
     # 5.x: the family table's reads_partial_rotary (measured on 5.0.0-5.24.0; tests/test_drift.py holds it to the
     # installed release); where it changed between 5.x releases, the keys are read
     reads = fam.reads_partial_rotary
+    if fam.partial_rotary_read_before:
+        from packaging.version import Version
+
+        reads = Version(str(saved)) < Version(fam.partial_rotary_read_before)
     if reads is False:
         return 1.0, f"transformers {saved}, which saved it, rotates the whole head of {fam.name} whatever the key says"
     if reads is True:
@@ -376,7 +409,7 @@ def _interleave_drift(config, interleaved, release):
 def _window_intent(raw, fam=None, saved=None):
     """``(window, the layers the saving release windowed)``: where the file says it unambiguously (``layer_types``
     for every layer, or ``use_sliding_window: false``), or by the saving release's one-mask rule (the family
-    table's ``one_mask_before_4_53``); None where neither tells (no window, or the meaning of
+    table's ``one_mask_before_4_53`` and ``one_mask_before_5``); None where neither tells (no window, or the meaning of
     ``max_window_layers`` alone, which families number differently)."""
     text = _text_part(raw)
 
@@ -389,6 +422,8 @@ def _window_intent(raw, fam=None, saved=None):
     if fam is not None and fam.one_mask_before_4_53 and saved is not None and saved.release < (4, 53):
         every = saved.release < (4, 52) or get("use_sliding_window") is True
         return window, frozenset(range(layers)) if every else frozenset()
+    if fam is not None and fam.one_mask_before_5 and saved is not None and saved.release < (5,):
+        return window, frozenset(range(layers)) if get("use_sliding_window") is True else frozenset()
     types = get("layer_types")
     if isinstance(types, list) and len(types) == layers:
         return window, frozenset(i for i, t in enumerate(types) if t == "sliding_attention")

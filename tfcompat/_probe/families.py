@@ -37,6 +37,18 @@ class Family:
     #: ``sliding_window`` is set (even with ``use_sliding_window: false``), 4.52 where ``use_sliding_window`` is true
     #: too (``max_window_layers`` unread); from 4.53 ``layer_types`` decides, and saved files carry them
     one_mask_before_4_53: bool = False
+    #: every 4.x release builds one sliding-window mask for every layer where ``use_sliding_window`` is true (eager
+    #: and sdpa; measured on 4.51.3 and 4.57.6 with ``max_window_layers`` 0 and 1); 5.x derives ``layer_types``
+    #: (the even layers below ``max_window_layers``) and saves them (Qwen2-MoE)
+    one_mask_before_5: bool = False
+    #: releases that changed how the family rotates the same channels, whatever the file says (read from the wheels'
+    #: modeling files): ((drift record key, the part, the file's key that states the layout it was trained with
+    #: (true: interleaved), first release of the new layout, layout before, from), ...)
+    rotation_layouts: tuple = ()
+    #: where ``reads_partial_rotary`` is PROBE_ONLY because it changed once: the first 5.x release whose rotary module
+    #: no longer reads ``rope_parameters["partial_rotary_factor"]`` (read from the wheels), for a file another
+    #: release saved
+    partial_rotary_read_before: str = ""
     #: model_type strings of the text config (and odd spellings seen in the wild)
     aliases: tuple = ()
     #: first transformers release that ships the model folder
@@ -124,7 +136,7 @@ FAMILIES = {
         Family("qwen3", "qwen3", "Qwen3", "Qwen3Attention", "Qwen3RotaryEmbedding", "neox",
                config_class="Qwen3Config", one_mask_before_4_53=True),
         Family("qwen2_moe", "qwen2_moe", "Qwen2Moe", "Qwen2MoeAttention", "Qwen2MoeRotaryEmbedding", "neox",
-               config_class="Qwen2MoeConfig", tiny_text=_MOE),
+               config_class="Qwen2MoeConfig", tiny_text=_MOE, one_mask_before_5=True),
         Family("qwen3_moe", "qwen3_moe", "Qwen3Moe", "Qwen3MoeAttention", "Qwen3MoeRotaryEmbedding", "neox",
                config_class="Qwen3MoeConfig", tiny_text=_MOE),
         Family("qwen3_next", "qwen3_next", "Qwen3Next", "Qwen3NextAttention", "Qwen3NextRotaryEmbedding", "neox",
@@ -143,6 +155,16 @@ FAMILIES = {
         Family("glm_moe_dsa", "glm_moe_dsa", "GlmMoeDsa", "GlmMoeDsaAttention", "GlmMoeDsaRotaryEmbedding",
                "deinterleave", reads_partial_rotary=PROBE_ONLY, since="5.3.0", config_class="GlmMoeDsaConfig",
                patch_refusal=_SPARSE,
+               # the rotary module reads rope_parameters' partial_rotary_factor on 5.3-5.9 (the 5.6.2-5.9.0 wheels);
+               # 5.10 takes qk_rope_head_dim, 5.11+ head_dim, whatever the factor
+               partial_rotary_read_before="5.10",
+               # NeoX halves (apply_rotary_pos_emb) on 5.3-5.10 in the attention and 5.3-5.12 in the indexer;
+               # interleaved pairs (apply_rotary_pos_emb_interleave) from 5.11 and 5.13
+               # (GLM-5/5.1's files state it: rope_interleave, indexer_rope_interleave true, which no release reads)
+               rotation_layouts=(("rotation_layout", "the attention's rope channels", "rope_interleave", "5.11",
+                                  "NeoX halves", "interleaved pairs"),
+                                 ("indexer_rotation_layout", "the indexer's rope channels", "indexer_rope_interleave",
+                                  "5.13", "NeoX halves", "interleaved pairs")),
                tiny_text=dict(_MOE, **_MLA)),
         Family("qwen2_vl", "qwen2_vl", "Qwen2VL", "Qwen2VLAttention", "Qwen2VLRotaryEmbedding", "neox",
                mrope="contiguous", default_mrope_section=PROBE_ONLY, aliases=("qwen2_vl_text",), vision=True,
