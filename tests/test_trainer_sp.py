@@ -356,8 +356,9 @@ def test_sequence_parallel_trainer_equals_the_padded_single_process_run(ran, cas
     start = dict(_model(case, name).named_parameters())
     for n, p in want_params.items():
         # AdamW turns gradients a rounding apart into steps a little apart where a gradient is near zero: a
-        # fiftieth of the largest step AdamW takes
-        torch.testing.assert_close(got["params"][n], p, rtol=0, atol=0.02 * LR * STEPS, msg=n)
+        # twentieth of the largest step AdamW takes (measured: upstream's own attention forward with tfcompat's call,
+        # Qwen2.5-VL over 2 context x 2 Ulysses ranks, 1 of 8,192 elements 4.1e-5 apart, a 48th of it)
+        torch.testing.assert_close(got["params"][n], p, rtol=0, atol=0.05 * LR * STEPS, msg=lambda m, n=n: n + m)
     moved = max((want_params[n] - start[n]).abs().max().item() for n in want_params)
     assert moved > LR / 2, "the steps did not move the weights: the comparison would prove nothing"
 

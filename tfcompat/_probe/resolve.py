@@ -217,6 +217,34 @@ def _resolve_attention(fam, capability):
                       reason, str(_version.transformers_version()), plan, (module.name, ""))
 
 
+#: an attention forward that looks its attention function up in upstream's registry by the config's key and hands
+#: it its own ``**kwargs`` (what ``AttentionInterface.register`` serves); read from the source: ``report`` imports
+#: nothing
+_LOOKS_UP = re.compile(r"ALL_ATTENTION_FUNCTIONS")
+_HANDS_KWARGS = re.compile(r"attention_interface\((?:[^()]|\([^()]*\))*\*\*kwargs\s*,?\s*\)")
+
+
+def _resolve_carrier(fam, capability):
+    """How a packed step reaches the attention kernel: ``interface`` where the installed attention forward looks up
+    ``ALL_ATTENTION_FUNCTIONS`` by ``config._attn_implementation`` and passes its ``**kwargs`` to it (tfcompat keeps
+    upstream's forward and serves the call, ``_step/attend.py``); else ``forward`` (tfcompat's bundled forward,
+    attention_forward in ``_step/attend.py``)."""
+    module = _modeling(fam, capability)
+    forward = _method(module, fam.attention, "forward", capability)
+    routed = _probe(capability, "whether the attention calls ALL_ATTENTION_FUNCTIONS with its kwargs", forward,
+                    lambda b: bool(_LOOKS_UP.search(b) and _HANDS_KWARGS.search(b)))
+    if routed:
+        reason = (f"{fam.attention}.forward looks up ALL_ATTENTION_FUNCTIONS by config._attn_implementation and passes "
+                  f"its **kwargs: upstream's forward runs, tfcompat's registered attention function serves a packed "
+                  f"step (eager, sdpa and flex calls go to upstream's own function)")
+    else:
+        reason = (f"{fam.attention}.forward does not call ALL_ATTENTION_FUNCTIONS with its **kwargs "
+                  f"(per-implementation classes or its own kernel call): tfcompat's bundled attention forward serves "
+                  f"a packed step")
+    return Resolution(capability, "interface" if routed else "forward", f"{module.name}.{fam.attention}.forward",
+                      reason, str(_version.transformers_version()), None, (module.name, fam.attention))
+
+
 def _resolve_rope_index(fam, capability):
     if not fam.vision or fam.embeds_refusal:
         raise TfcompatError(f"{capability}: tfcompat.embeds.rope_index serves vision families; {fam.name} is "
@@ -262,6 +290,7 @@ _RESOLVERS = {
     "rope.init": _resolve_rope_init,
     "attention.signature": _resolve_attention,
     "attention.window": _resolve_window,
+    "attention.carrier": _resolve_carrier,
     "rope_index": _resolve_rope_index,
 }
 

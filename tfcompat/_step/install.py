@@ -1,7 +1,7 @@
 """What a patched module carries: its state, the callable that replaces its ``forward`` (keeping upstream's
 signature), the carriers of a packed step's boundaries, and installing / removing them on one module.
 
-Used by :mod:`.forwards` (the forwards) and :mod:`.patch` (``patch()``); imports neither.
+Used by :mod:`.forwards`, :mod:`.attend` (the forwards) and :mod:`.patch` (``patch()``); imports none of them.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import copy
 import inspect
 import types
 
-from ..errors import UlyssesError
+from ..errors import TfcompatError, UlyssesError
+from . import scope as _scope
 from .scope import FLASH_KWARGS
 
 _ATTR = "_tfcompat_patch"          # per patched module: its _State
@@ -36,6 +37,7 @@ class _State:
         self.group, self.world, self.saved_forward = group, world, saved_forward
         self.group_lost = False
         self.linear_child = False  # decoder layers: holds a linear-attention mixer (gets a _StepMask)
+        self.carrier = "forward"  # attention modules: "interface" where upstream's forward runs (.interface)
         self.fn = None  # the module-level forward installed (kept to bind it again after unpickling)
         self.restored = False  # unpickled: the shared forward is bound again at the text model's first call
 
@@ -96,7 +98,7 @@ class _PatchedForward:
 
 class _Carried(tuple):
     """``(cos, sin)`` that also carries the step's boundaries down to the layers, and the rotations the layers
-    prepared from them (:func:`.forwards.for_layers`, keyed by the (q, k) layout)."""
+    prepared from them (:func:`.attend.for_layers`, keyed by the (q, k) layout)."""
 
     step = None
     rotations = None
@@ -248,6 +250,17 @@ def _uninstall(module):
         module.forward = state.saved_forward
     else:
         module.__dict__.pop("forward", None)
+    if state.carrier == "interface":
+        module.config = unkeyed(module.config)
+
+
+#: where an attention module's config copy (:func:`.interface.keyed`) keeps the config it copied
+_ORIGINAL = "_packed_original_config"
+
+
+def unkeyed(config):
+    """The config a keyed copy was made from (``config`` itself where it is not a copy)."""
+    return config.__dict__.get(_ORIGINAL, config)
 
 
 def _is_wrapper(module):
@@ -296,3 +309,30 @@ def _patched_as(module):
     return None
 
 
+# ------------------------------------------------------------------- the step's carriers, read
+def _carried(args, kwargs):
+    """The step's carrier among a layer's arguments (keyword ``position_embeddings`` first), or None."""
+    pe = kwargs.get("position_embeddings")
+    if isinstance(pe, _Carried):
+        return pe
+    for v in args:
+        if isinstance(v, _Carried):
+            return v
+    for v in kwargs.values():
+        if isinstance(v, _Carried):
+            return v
+    return None
+
+
+def _in_step():
+    """True inside a patched text model's packed step (this thread): a tripwire only, for a layer or mixer
+    whose call lost the step's carrier; the step itself is never read from here below the rotary module."""
+    return _scope.in_step()
+
+
+def _lost_step(state, module, what):
+    return TfcompatError(
+        f"tfcompat {state.family}: {type(module).__name__} was called in a packed step without {what} its decoder "
+        f"layer passed (they carry the step's boundaries); something between the layer and the mixer rebuilt "
+        f"them (a forward pre-hook or wrapper that copies or casts the arguments); pass them through unchanged, "
+        f"or unpatch the model")

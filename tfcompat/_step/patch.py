@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from .._probe import resolve as _resolve
 from .._probe.families import family as _family
 from ..errors import ModelError, UlyssesError, UnsupportedTransformersError
+from . import attend as _attend
 from . import forwards as _layers
 from . import text as _text
 from . import top as _top
@@ -91,7 +92,7 @@ class PatchRecord:
 #: the forward each kind of patched module runs (module-level functions, held by reference: picklable)
 FORWARDS = {"vl+top": _top.vl_top_forward, "vl": _top.vl_forward, "top": _top.top_forward,
             "text": _text.text_model_forward, "rotary": _layers.rotary_forward, "layer": _layers.layer_forward,
-            "attention": _layers.attention_forward, "linear": _layers.linear_forward}
+            "attention": _attend.attention_forward, "linear": _layers.linear_forward}
 
 def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group: Any = None,
           dummy_visual: bool = True, slice_inputs: bool = False, context_group: Any = None) -> PatchRecord:
@@ -237,6 +238,19 @@ def _install_all(model, fam, targets, state_of, linear_cls, resolutions, windows
     (patching twice is a no-op), else every earlier patch below the model is removed first."""
     from .._probe.rope_params import rope_parameters
 
+    carrier = _resolve.resolve("attention.carrier", fam.name)
+    routed = {id(m): carrier.impl == "interface" and _attend.original_key(m.config) in _attend.DELEGATES
+              for m, kind in targets if kind == "attention"}
+    moved = next((m for m, kind in targets if kind == "attention" and not routed[id(m)] and
+                  _forward_owner(type(m)).__module__ != resolutions[2].target.__name__), None)
+    if moved is not None:  # checked before anything is installed
+        raise ModelError(
+            f"tfcompat.patch: {type(moved).__name__} overrides {fam.attention}.forward; tfcompat serves {fam.name}'s "
+            f"packed attention on transformers {carrier.transformers} with its own forward ({carrier.impl}: "
+            f"{carrier.reason}; the model runs {_attend.original_key(moved.config)!r}), which would drop what the "
+            f"override adds; where the release routes attention through ALL_ATTENTION_FUNCTIONS load the model with "
+            f"attn_implementation='sdpa' (or 'eager'), else patch a model of transformers' own classes")
+
     def same(m, kind):
         st = _patched_as(m)
         return st is not None and st.kind == kind and st.remove_padding == state_of["remove_padding"] and \
@@ -259,9 +273,20 @@ def _install_all(model, fam, targets, state_of, linear_cls, resolutions, windows
         if kind == "attention":
             state.window = windows[id(m)]
             state.rope, state.plan = resolutions[1], resolutions[2].plan
+            if routed[id(m)]:
+                _attend.register()
+                state.carrier = "interface"
         if kind == "text":
             state.plan = resolutions[2].plan  # the text model's plan, bound here: read per step, not resolved
         _install(m, kind, state, FORWARDS[kind])
+        if state.carrier == "interface":
+            m.config = _attend.keyed(m.config)  # this module's own copy: upstream's lookup finds tfcompat's function
+
+
+def _forward_owner(cls):
+    """The class whose own ``forward`` instances of ``cls`` run (a subclass that only adds hooks, as FSDP2's, runs
+    its base's)."""
+    return next((c for c in cls.__mro__ if "forward" in c.__dict__), cls)
 
 
 def unpatch(model: torch.nn.Module) -> bool:

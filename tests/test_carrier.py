@@ -1,0 +1,172 @@
+"""The attention call through transformers' own AttentionInterface (``attention.carrier``): where the installed
+attention forward looks its function up in ALL_ATTENTION_FUNCTIONS, upstream's forward runs unchanged and tfcompat
+serves only the call. The oracle: transformers' own model on the padded batch, and the installed attention class's
+own source."""
+
+import inspect
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from packaging.version import Version
+
+import tfcompat
+from tfcompat._probe import resolve as _resolve
+from tfcompat._probe.families import FAMILIES
+from tfcompat.errors import ModelError, TfcompatError
+from tfcompat.packing import pack, unpack
+from tfcompat.testing import tiny_model
+from tfcompat.version import transformers_version
+
+from _helpers import modeling, patchable
+
+SERVED = patchable()
+V5 = transformers_version().major >= 5
+
+
+def _routes(name):
+    """Independently of the probe: does the installed attention class's forward (imported, its own source) hand the
+    call to ALL_ATTENTION_FUNCTIONS with its kwargs?"""
+    src = inspect.getsource(getattr(modeling(name), FAMILIES[FAMILIES[name].text_family or name].attention).forward)
+    return "ALL_ATTENTION_FUNCTIONS" in src and bool(re.search(r"attention_interface\([^)]*\*\*kwargs", src, re.S))
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_the_carrier_is_what_the_installed_attention_does(name):
+    got = _resolve.resolve("attention.carrier", name)
+    assert got.impl == ("interface" if _routes(name) else "forward"), got
+    model = tiny_model(name)
+    record = tfcompat.patch(model)
+    cls = getattr(modeling(name), FAMILIES[FAMILIES[name].text_family or name].attention)
+    attentions = [m for m in model.modules() if isinstance(m, cls)]
+    carriers = {m.__dict__["_tfcompat_patch"].carrier for m in attentions}
+    assert carriers == {got.impl}, (name, carriers)
+    keys = {m.config._attn_implementation for m in attentions}
+    if got.impl == "interface":  # each patched attention's own config copy names this copy's key; the model's does not
+        assert keys == {"tfcompat:packed"} and model.config._attn_implementation != "tfcompat:packed"
+    tfcompat.unpatch(model)
+    assert {m.config._attn_implementation for m in attentions} != {"tfcompat:packed"}
+    assert record.family == name
+
+
+def test_the_boundary_families_route_through_the_interface_on_5x():
+    if not V5:
+        # 4.51-4.52: Qwen2-VL / Qwen2.5-VL keep per-implementation attention classes (the bundled forward serves them)
+        if "qwen2_vl" in SERVED and transformers_version() < Version("4.53"):
+            assert _resolve.resolve("attention.carrier", "qwen2_vl").impl == "forward"
+        pytest.skip("the 5.x families' carrier: checked on 5.x")
+    for name in ("qwen2", "qwen3", "qwen2_5_vl", "glm4v", "qwen3_vl"):
+        if name in SERVED:
+            assert _resolve.resolve("attention.carrier", name).impl == "interface", name
+
+
+def test_report_json_carries_the_carrier():
+    out = subprocess.run([sys.executable, "-m", "tfcompat", "report", "--json"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = {r["capability"]: r for r in json.loads(out.stdout)["resolutions"]}
+    for name in SERVED:
+        row = rows[f"attention.carrier:{name}"]
+        assert row["impl"] in ("interface", "forward") and row["reason"], row
+
+
+def _batch(vocab=60):
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 0, 0]]) % vocab
+    mask = torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]])
+    return ids, mask, pack(ids, mask)
+
+
+def _moved(cls, how):
+    """A subclass of upstream's attention whose forward adds what a new release might: an output gate computed from
+    the hidden states, around upstream's own body (``gate``); or its own attention over the whole row (``own``)."""
+
+    class Moved(cls):
+        def forward(self, hidden_states, *args, **kwargs):
+            if how == "own":  # computes attention itself: never calls ALL_ATTENTION_FUNCTIONS
+                b, s, _ = hidden_states.shape
+                q = self.q_proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
+                k = self.k_proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
+                v = self.v_proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
+                rep = q.shape[1] // k.shape[1]
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
+                return (self.o_proj(out.transpose(1, 2).reshape(b, s, -1)), None)
+            out = super().forward(hidden_states, *args, **kwargs)
+            return (out[0] * torch.sigmoid(self.extra_gate(hidden_states)),) + tuple(out[1:])
+
+    Moved.__name__ = f"Moved{cls.__name__}"
+    return Moved
+
+
+def _move(model, name, how):
+    cls = getattr(modeling(name), FAMILIES[FAMILIES[name].text_family or name].attention)
+    torch.manual_seed(1)
+    attentions = [m for m in model.modules() if isinstance(m, cls)]  # 4.x: per-implementation subclasses too
+    moved = {t: _moved(t, how) for t in {type(m) for m in attentions}}
+    for m in attentions:
+        m.__class__ = moved[type(m)]
+        hidden = m.o_proj.out_features
+        m.extra_gate = torch.nn.Linear(hidden, hidden)
+
+
+TEXT = [n for n in ("qwen2", "qwen3", "glm4", "qwen3_moe", "qwen3_next", "glm_moe_dsa", "qwen2_vl", "glm4v")
+        if n in SERVED]
+
+
+@pytest.mark.parametrize("name", TEXT)
+def test_a_moving_attention_body(name):
+    """Upstream adds an operation to the attention forward (here a subclass adds an output gate): where the interface
+    carries the step the patched model equals the unpatched one on the padded batch, logits and gradients, because
+    upstream's body runs; where tfcompat's bundled forward would serve it, patch() refuses (it would drop the gate)."""
+    model = tiny_model(name).train()
+    _move(model, name, "gate")
+    ids, mask, pk = _batch(model.config.get_text_config().vocab_size)
+    want = model(input_ids=ids, attention_mask=mask).logits
+    want_grads = torch.autograd.grad(want[mask.bool()].square().sum(), [p for p in model.parameters()],
+                                     allow_unused=True)
+    if _resolve.resolve("attention.carrier", name).impl == "forward":
+        with pytest.raises(ModelError, match="overrides"):
+            tfcompat.patch(model)
+        return
+    tfcompat.patch(model)
+    got = unpack(model(input_ids=pk.input_ids, position_ids=pk.position_ids).logits, pk)
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=2e-5)
+    got_grads = torch.autograd.grad(got[mask.bool()].square().sum(), [p for p in model.parameters()],
+                                    allow_unused=True)
+    for p, g, w in zip(model.parameters(), got_grads, want_grads):
+        # a text-only VL step reaches the vision weights with zero gradients (dummy_visual); upstream leaves them None
+        zero = torch.zeros_like(p)
+        torch.testing.assert_close(zero if g is None else g, zero if w is None else w, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", [n for n in ("qwen2", "qwen3") if n in SERVED])
+def test_an_attention_override_that_skips_the_interface_is_refused(name):
+    """An override that runs its own kernel over the whole row would let the sequences of a packed row attend to each
+    other: the eager step sees that tfcompat's function was never called and refuses, naming what to do."""
+    model = tiny_model(name)
+    _move(model, name, "own")
+    ids, mask, pk = _batch(model.config.get_text_config().vocab_size)
+    if _resolve.resolve("attention.carrier", name).impl == "forward":
+        with pytest.raises(ModelError, match="overrides"):
+            tfcompat.patch(model)
+        return
+    tfcompat.patch(model)
+    with pytest.raises(TfcompatError, match="without calling the attention function"):
+        model(input_ids=pk.input_ids, position_ids=pk.position_ids)
+    model(input_ids=ids, attention_mask=mask)  # not packed: the override runs as written
+
+
+def test_another_implementation_after_patch_is_refused():
+    """A model patched while it ran sdpa, switched to an implementation tfcompat does not hand calls to (flash
+    attention reads the module's config key), is refused with what to do, never run with a stale choice."""
+    model = tiny_model("qwen2")
+    tfcompat.patch(model)
+    if _resolve.resolve("attention.carrier", "qwen2").impl == "forward":
+        pytest.skip("qwen2's attention is served by the bundled forward on this release")
+    model.config._attn_implementation_internal = "flash_attention_2"
+    ids, _, _ = _batch(model.config.vocab_size)
+    with pytest.raises(TfcompatError, match="patch\\(model\\) again"):
+        model(input_ids=ids[:1])

@@ -1,0 +1,301 @@
+"""The attention call of a packed step.
+
+The attention call through transformers' own ``AttentionInterface``, where the installed attention forward looks
+its attention function up in ``ALL_ATTENTION_FUNCTIONS`` by ``config._attn_implementation`` and hands it its
+``**kwargs`` (the ``attention.carrier`` resolution says where: ``interface``).
+
+There upstream's attention forward runs unchanged (projections, norms, gates, RoPE, window, return arity: whatever
+the release holds) and tfcompat serves only the call: :func:`packed_attention`, registered under this copy's own key
+(:data:`KEY`). The choice is per module: each patched attention module gets its own shallow copy of its config whose
+key is :data:`KEY` (:func:`keyed`); the text model, the vision tower, another model and another copy of tfcompat keep
+theirs. The step rides down in the attention's own ``**kwargs`` (:data:`STEP`), which a checkpoint's recomputation
+replays as arguments. A call that is not a packed step goes to the function of the implementation the model was
+loaded with (read from the model's own config at call time), as upstream's forward would have called it.
+
+The call itself, over (tokens, heads, dim) q/k/v: the whole row's (the step's bound kernel, :func:`_attend_row`) or a
+sequence-parallel slice's (Ulysses' all-to-all, context parallelism's chunks, :func:`_attend_split`), served to
+upstream's attention forward by :func:`packed_attention` and to tfcompat's bundled one by :mod:`.forwards`.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+from .._kernels.rotation import Rotation, chosen_impl
+from .._probe import resolve as _resolve
+from .._probe.families import family as family_of
+from ..errors import PackingError, TfcompatError, UlyssesError
+from . import scope as _carrier
+from .install import (
+    _ATTR,
+    _CACHE_NAMES,
+    _ORIGINAL,
+    _arguments,
+    _Carried,
+    _carried,
+    _in_step,
+    _lost_step,
+    _original,
+    unkeyed,
+)
+
+#: this copy's package (``tfcompat``, or ``myproj._vendor.tfcompat``): its key and kwarg are its own
+_PACKAGE = __name__.rpartition("._step")[0]
+#: the key of :func:`packed_attention` in upstream's registry, and in each patched attention module's config copy
+KEY = f"{_PACKAGE}:packed"
+#: the keyword the step rides under in the attention's kwargs (an identifier of this copy)
+STEP = "packed_step__" + _PACKAGE.replace(".", "__")
+#: the implementations whose upstream function reads nothing of ``module.config`` that the copy changes (flash
+#: attention on 5.x reads ``module.config._attn_implementation`` to load its kernel): a model loaded with another
+#: keeps tfcompat's bundled attention forward
+DELEGATES = ("eager", "sdpa", "flex_attention")
+
+_REGISTERED = False
+
+
+def register():
+    """Register :func:`packed_attention` under :data:`KEY` with ``AttentionInterface`` (once per copy)."""
+    global _REGISTERED
+    if not _REGISTERED:
+        from transformers.modeling_utils import AttentionInterface
+
+        AttentionInterface.register(KEY, packed_attention)
+        _REGISTERED = True
+
+
+def original_key(config):
+    """The attention implementation a (possibly keyed) attention config's model runs."""
+    return getattr(config.__dict__.get(_ORIGINAL, config), "_attn_implementation", None) or "eager"
+
+
+def keyed(config):
+    """A shallow copy of ``config`` whose attention implementation is :data:`KEY`, holding ``config``."""
+    config = unkeyed(config)
+    out = copy.copy(config)
+    out.__dict__["_attn_implementation_internal"] = KEY
+    out.__dict__[_ORIGINAL] = config
+    return out
+
+
+def upstream_forward(module, state, step, args, kwargs):
+    """A packed step through upstream's attention forward, the step in its kwargs. Eagerly, a forward that returned
+    without calling :func:`packed_attention` (an override that runs its own kernel over the whole row) is refused:
+    its sequences would have attended to each other."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        return _original(module, state, *args, **kwargs, **{STEP: step})
+    served, saved = step.memo.get(STEP, 0), state.saved_forward
+    out = saved(*args, **kwargs, **{STEP: step}) if saved is not None else \
+        type(module).forward(module, *args, **kwargs, **{STEP: step})
+    if step.memo.get(STEP, 0) == served:
+        raise TfcompatError(
+            f"tfcompat {state.family}: {type(module).__name__}.forward ran a packed step without calling the attention "
+            f"function its config names ({KEY!r}, through ALL_ATTENTION_FUNCTIONS), so its sequences attended to each "
+            f"other; an override of the attention forward must call ALL_ATTENTION_FUNCTIONS[self.config."
+            f"_attn_implementation] with its **kwargs, as transformers' own does; or unpatch the model and train on "
+            f"the padded batch")
+    return out
+
+
+def packed_attention(module, query, key, value, attention_mask, **kwargs):
+    """What upstream's attention forward calls under :data:`KEY`: a packed step's attention (its boundaries in
+    ``kwargs[STEP]``) over ``(1, heads, tokens, dim)`` q/k/v, as upstream's functions return it
+    (``(1, tokens, heads, dim)``, no weights); any other call, upstream's function of the model's implementation."""
+    step = kwargs.pop(STEP, None)
+    if step is None:
+        return _delegate(module, query, key, value, attention_mask, kwargs)
+    state = getattr(module, _ATTR)
+    import torch
+
+    if not torch.compiler.is_compiling():
+        step.memo[STEP] = step.memo.get(STEP, 0) + 1  # served: upstream_forward's tripwire
+    # (1, heads, tokens, dim) -> (tokens, heads, dim): squeeze, not [0] (select's backward zero-fills a whole tensor)
+    q, k, v = query.squeeze(0).transpose(0, 1), key.squeeze(0).transpose(0, 1), value.squeeze(0).transpose(0, 1)
+    scale = kwargs.get("scaling")
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    dropout = kwargs.get("dropout", 0.0)
+    if state.group is not None or state.cgroup is not None:
+        out = _attend_split(state, step, q, k, v, scale, dropout)
+    else:
+        out = _attend_row(step, q, k, v, scale, state.window, dropout)
+    return out.unsqueeze(0), None
+
+
+def _delegate(module, query, key, value, attention_mask, kwargs):
+    """Not a packed step: the function upstream's forward would have called for the model's implementation."""
+    impl = original_key(module.config)
+    # sdpa asked for attention weights: upstream's forward (4.x) falls back to eager
+    if impl == "eager" or (kwargs.get("output_attentions") and impl in ("eager", "sdpa")):
+        fn = sys.modules[type(module).__module__].eager_attention_forward
+    elif impl in DELEGATES:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        fn = ALL_ATTENTION_FUNCTIONS[impl]
+    else:
+        raise TfcompatError(
+            f"tfcompat: {type(module).__name__} was patched while its model ran {', '.join(DELEGATES)} attention and "
+            f"now runs {impl!r}; tfcompat serves this module's attention by its patch-time choice; call "
+            f"tfcompat.patch(model) again after changing the attention implementation")
+    return fn(module, query, key, value, attention_mask, **kwargs)
+
+
+def _attend_row(step, q, k, v, scale, window, dropout):
+    """Attention over the whole packed row this layer sees (after Ulysses: all of its heads' tokens). Eager, the
+    step binds the call once for the layers' layout (the kernel chosen and proven, the boundaries on q's device,
+    the kernel's arguments built: ``varlen.bound``) and every layer calls that."""
+    import torch
+
+    from .._kernels.varlen import _varlen
+
+    if step.total != q.shape[0]:
+        raise PackingError(f"tfcompat attention: boundaries cover {step.total} tokens but the layer sees "
+                           f"{q.shape[0]}; pass boundaries of the whole (gathered) packed row")
+    if step.bounds is None:  # a traced step (whole-model torch.compile)
+        from .._kernels.varlen import _gpu_call, _sdpa_by_seq, traced_kernel
+
+        # boundaries and the longest sequence named by the call (the collator's kwargs, packing.packed): the GPU
+        # kernel proven before tracing, as the op it is registered as; else one SDPA call under the step's mask
+        if step.cu is not None and step.max_len is not None:
+            kind = traced_kernel(q, k, v, True, window, dropout)
+            if kind is not None:
+                return _gpu_call(kind, q, k, v, step.cu, step.max_len, True, scale, window, dropout)
+        return _sdpa_by_seq(q, k, v, step.seq, scale, True, window, dropout)
+    if torch.compiler.is_compiling():  # compiled layers: the kernel proven before tracing, decided in the graph
+        return _varlen(q, k, v, step.cu, step.bounds, step.max_len, causal=True, softmax_scale=scale, window=window,
+                       dropout_p=dropout)
+    key = ("attend", q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], v.shape[2], scale, window, dropout)
+    attend = step.memo.get(key)
+    if attend is None:  # the first layer of the step with this layout
+        from .._kernels.varlen import bound
+
+        attend = step.memo[key] = bound(q, k, v, step.cu, step.bounds, step.max_len, causal=True, softmax_scale=scale,
+                                        window=window, dropout_p=dropout)
+    return attend(q, k, v)
+
+
+def _attend_split(state, step, q, k, v, scale, dropout):
+    """Attention of this rank's slice: Ulysses all-to-all to whole-row heads, and/or context parallel chunks
+    attending the whole row's K/V, then back to this rank's tokens."""
+    group = state.group
+    if group is not None:
+        from .._kernels.collectives import repeat_kv_for_group, to_heads
+
+        # the step checked every rank's slice once (equal lengths); no check (host sync) per layer
+        q = to_heads(q, group)
+        k = to_heads(repeat_kv_for_group(k, state.world), group)
+        v = to_heads(repeat_kv_for_group(v, state.world), group)
+    if state.cgroup is not None:
+        # context parallel: this rank's chunks (after Ulysses: of its heads) attend the whole row's K/V
+        from .._kernels.context import attend, pieces
+
+        if "context" not in step.memo:  # once per step: Python ints only
+            import torch.distributed as dist
+
+            step.memo["context"] = pieces(step, dist.get_rank(state.cgroup), state.cworld, q.shape[0])
+        out = attend(q, k, v, step, step.memo["context"], state.cgroup, scale=scale, window=state.window,
+                     dropout_p=dropout)
+    else:
+        out = _attend_row(step, q, k, v, scale, state.window, dropout)
+    if group is not None:
+        from .._kernels.collectives import to_sequence
+
+        out = to_sequence(out, group)
+    return out
+
+
+# ------------------------------------------------------------------------------- attention
+def attention_forward(self, *args, **kwargs):
+    """Every layer of a packed step runs this: it reads its arguments, the step (on the position embeddings) and
+    what patch time bound (``state``); the rotation is prepared once per step (:func:`for_layers`)."""
+    import torch
+
+    state = getattr(self, _ATTR)
+    pe = kwargs.get("position_embeddings")
+    if not isinstance(pe, _Carried):
+        pe = None if "position_embeddings" in kwargs else _carried(args, kwargs)
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if pe is None or hidden is None:
+        if state.group is None and state.cgroup is None and not state.group_lost and \
+                not isinstance(_carrier.call_entry(), _carrier.Active):
+            saved = state.saved_forward  # not packed, not split: upstream's attention, unchanged
+            return saved(*args, **kwargs) if saved is not None else type(self).forward(self, *args, **kwargs)
+        return _attention_unpacked(self, state, args, kwargs)
+    step = pe.step
+    if hidden.shape[0] != 1:
+        raise PackingError(f"tfcompat {state.family}: the packed attention needs batch 1, got batch "
+                            f"{hidden.shape[0]}")
+    if state.group_lost:
+        state.group_or_raise()
+    if state.carrier == "interface":  # upstream's forward, unchanged; the step rides in its kwargs to the call
+        return upstream_forward(self, state, step, args, kwargs)
+
+    plan = state.plan  # the attention.signature plan, bound at patch time
+    s, d = hidden.shape[1], self.head_dim
+    q = self.q_proj(hidden)
+    gate = None
+    if plan.gated_query:  # Qwen3-Next, Qwen3.5: query and output gate interleaved per head (a probed fact)
+        q, gate = torch.chunk(q.view(1, s, -1, 2 * d), 2, dim=-1)
+        gate = gate.reshape(1, s, -1)
+    q = q.view(1, s, -1, d)
+    k = self.k_proj(hidden).view(1, s, -1, d)
+    v = self.v_proj(hidden).view(1, s, -1, d)
+    if getattr(self, "q_norm", None) is not None:
+        q, k = self.q_norm(q), self.k_norm(k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    # out of place: a projection output (or a norm's) may be saved by selective activation checkpointing,
+    # which a rotation in place would corrupt. cos/sin are this release's own (checked once per step).
+    if torch.compiler.is_compiling():  # traced: the plain path, nothing kept between layers
+        q, k = rotate(q, k, pe[0], pe[1], state.family, state.section, state.rope)
+    else:
+        rot = pe.rotations.get((q.dtype, q.shape, k.shape, q.stride(), k.stride()))
+        if rot is None:
+            rot = for_layers(pe, q, k, state.family, state.section, state.rope)
+        q, k = rot.call(q, k)
+    # squeeze, not q[0]: select's backward allocates and zero-fills a whole (1, heads, s, d) gradient per tensor
+    q, k, v = q.squeeze(0).transpose(0, 1), k.squeeze(0).transpose(0, 1), v.squeeze(0)
+    dropout = self.attention_dropout if self.training else 0.0
+    scale = getattr(self, "scaling", None) or d ** -0.5
+    if state.group is not None or state.cgroup is not None:
+        out = _attend_split(state, step, q, k, v, scale, dropout)
+    else:
+        out = _attend_row(step, q, k, v, scale, state.window, dropout)
+    out = out.reshape(1, s, -1)
+    if gate is not None:
+        out = out * torch.sigmoid(gate)
+    out = self.o_proj(out)
+    return (out, None, None) if plan.returns == 3 else (out, None)
+
+
+def _attention_unpacked(self, state, args, kwargs):
+    """Not a packed step: upstream's attention, unchanged (a sequence-parallel one only inside a step)."""
+    if _in_step():
+        raise _lost_step(state, self, "the position embeddings")
+    if state.split() or state.group_lost:
+        a = _arguments(self, args, kwargs)
+        if a is not None and not any(a.get(n) is not None for n in _CACHE_NAMES):
+            raise UlyssesError(f"tfcompat {state.family}: a Ulysses- or context-parallel-patched attention was "
+                               f"called outside a patched text model step; call the model (or its text model), "
+                               f"not the layer")
+    return _original(self, state, *args, **kwargs)  # not packed: upstream, unchanged
+
+
+def for_layers(carried, q, k, family, section, res):
+    """The rotation of this step's (cos, sin) for q and k of this layout, made by the first layer that asks and
+    kept on the step's carrier for the others (unless cos/sin need gradients)."""
+    cos, sin = carried
+    fam = family_of(family)
+    rot = Rotation(q, k, cos, sin, fam.name, res, 2, 1, section, False, chosen_impl(None))
+    if rot.cacheable:
+        carried.rotations[(q.dtype, q.shape, k.shape, q.stride(), k.stride())] = rot
+    return rot
+
+
+def rotate(q, k, cos, sin, model_type, mrope_section, resolution=None):
+    """The patched attention's rotation under torch.compile (traced: nothing kept between layers): out of place,
+    (batch, heads, seq, head_dim), with the cos/sin that this release's rotary module returned (checked once
+    per step, :func:`check_cos`), the sections and the ``rope.apply`` resolution bound at patch time."""
+    fam = family_of(model_type)
+    res = resolution if resolution is not None else _resolve.resolve("rope.apply", fam.name)
+    return Rotation(q, k, cos, sin, fam.name, res, 2, 1, mrope_section, False, chosen_impl(None))(q, k)
