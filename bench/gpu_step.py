@@ -11,9 +11,11 @@
    unpatched model on one row of packed position ids: transformers 5.x reads them as sequence boundaries, SDPA
    through a block mask and ``flash_attention_2`` where flash-attn imports; 4.x does not, so its row is marked
    inexact); the patched model with each packed-attention kernel this machine can choose (flash-attn, torch's
-   ``varlen_attn``, SDPA per sequence), eager and whole-model compiled. Printed: tokens/s (real tokens), peak
-   memory, the loss against the padded batch's, and the ratios the targets name (patched / unpatched padded,
-   patched / upstream packed SDPA).
+   ``varlen_attn``, SDPA per sequence), eager and whole-model compiled (upstream's attention forward and rotary,
+   tfcompat serving the attention call); and, where the fused Triton RoPE runs, the model patched under
+   ``TFCOMPAT_ROPE_IMPL=triton`` (tfcompat's bundled attention forward with that kernel). Printed: tokens/s (real
+   tokens), peak memory, the loss against the padded batch's, and the ratios the targets name (patched / unpatched
+   padded, patched / upstream packed SDPA).
 2. **RoPE**: a copy of q and k (the limit: RoPE moves ``4 T (Hq + Hk) D`` bytes), tfcompat's kernel (Triton where
    it runs, else its composite), upstream's rotary function, Liger-Kernel's (where ``liger_kernel`` imports), forward
    and forward + backward, at the two models' shapes, 16k and 64k tokens; ratios against the copy.
@@ -26,6 +28,7 @@ padded batch does not (loss beyond ``--tol``).
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 import time
@@ -160,6 +163,22 @@ def _step_rows(name, args, device, dtype, tokens):
         with _forced(kernel):
             run(f"patched ({kernel})", patched, row, row_labels)
             run(f"patched ({kernel}), compiled", patched, row, row_labels, compiled=True)
+    del patched
+    from tfcompat.rope import impl_for
+
+    if impl_for(device) == "triton":  # the bundled forward with tfcompat's fused RoPE (chosen when patch runs)
+        bundled = copy.deepcopy(base)
+        saved = os.environ.get("TFCOMPAT_ROPE_IMPL")
+        os.environ["TFCOMPAT_ROPE_IMPL"] = "triton"
+        try:
+            tfcompat.patch(bundled)
+            run("patched (sdpa), bundled forward + Triton RoPE", bundled, row, row_labels)
+        finally:
+            if saved is None:
+                del os.environ["TFCOMPAT_ROPE_IMPL"]
+            else:
+                os.environ["TFCOMPAT_ROPE_IMPL"] = saved
+        del bundled
     return results
 
 

@@ -170,3 +170,32 @@ def test_another_implementation_after_patch_is_refused():
     ids, _, _ = _batch(model.config.vocab_size)
     with pytest.raises(TfcompatError, match="patch\\(model\\) again"):
         model(input_ids=ids[:1])
+
+
+@pytest.mark.parametrize("name", [n for n in ("qwen3", "qwen2_5_vl") if n in SERVED])
+def test_a_chosen_rotation_keeps_the_bundled_forward(name, monkeypatch):
+    """TFCOMPAT_ROPE_IMPL naming one of tfcompat's rotations when ``patch`` runs (here ``native``, the CPU kernel; on a
+    GPU ``triton``) keeps the bundled attention forward, which rotates with that kernel: upstream's forward on the
+    interface route would rotate with upstream's function and the choice would be silently dropped. Unset, the
+    interface serves. Either way the packed step equals transformers' own model on the padded batch."""
+    ids, mask, pk = _batch()
+    carriers = {}
+    for chosen in ("native", None):
+        if chosen:
+            monkeypatch.setenv("TFCOMPAT_ROPE_IMPL", chosen)
+        else:
+            monkeypatch.delenv("TFCOMPAT_ROPE_IMPL", raising=False)
+        model = tiny_model(name)
+        want = model(input_ids=ids, attention_mask=mask).logits
+        tfcompat.patch(model)
+        carriers[chosen] = {m.__dict__["_tfcompat_patch"].carrier for m in model.modules()
+                            if "_tfcompat_patch" in m.__dict__ and m.__dict__["_tfcompat_patch"].kind == "attention"}
+        got = unpack(model(input_ids=pk.input_ids, position_ids=pk.position_ids).logits, pk)
+        torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=2e-5)
+    assert carriers["native"] == {"forward"}, carriers
+    assert carriers[None] == {_resolve.resolve("attention.carrier", name).impl}, carriers
+    monkeypatch.setenv("TFCOMPAT_ROPE_IMPL", "native")  # an override where the chosen rotation keeps the forward
+    model = tiny_model(name)
+    _move(model, name, "gate")
+    with pytest.raises(ModelError, match="TFCOMPAT_ROPE_IMPL=native|overrides"):
+        tfcompat.patch(model)

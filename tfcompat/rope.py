@@ -322,7 +322,10 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     of place and new tensors are returned.
 
     ``impl`` as for :func:`apply_rope`; "upstream" rotates out of place and returns new tensors
-    (so ``TFCOMPAT_ROPE_IMPL=upstream`` switches a patched model to upstream's rotary too).
+    (so ``TFCOMPAT_ROPE_IMPL=upstream`` switches a patched model to upstream's rotary too). A model patched while
+    ``TFCOMPAT_ROPE_IMPL`` names native, composite or triton keeps tfcompat's bundled attention forward, which
+    rotates with that kernel; otherwise, where upstream's attention calls ``ALL_ATTENTION_FUNCTIONS``, upstream's
+    forward rotates with its own function.
     """
     chosen = chosen_impl(impl)
     fam, res, seq_dim = _prepare(q, k, cos, sin, config, model_type, mrope_section, unsqueeze_dim)

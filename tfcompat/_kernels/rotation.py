@@ -105,6 +105,17 @@ def chosen_impl(impl):
     return chosen
 
 
+KERNELS = ("native", "composite", "triton")  # tfcompat's own rotations; "upstream" and "auto" are not a choice of one
+
+
+def kernel_chosen_by_environment():
+    """The tfcompat rotation ``TFCOMPAT_ROPE_IMPL`` names (native, composite or triton), else None. ``patch`` reads it:
+    a model patched while it names one keeps tfcompat's bundled attention forward, which rotates with that kernel
+    (upstream's forward, on the interface route, rotates with upstream's function)."""
+    chosen = chosen_impl(None)
+    return chosen if chosen in KERNELS else None
+
+
 def compiling():
     import torch
 

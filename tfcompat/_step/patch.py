@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from .._kernels.rotation import kernel_chosen_by_environment
 from .._probe import resolve as _resolve
 from .._probe.families import family as _family
 from ..errors import ModelError, UlyssesError, UnsupportedTransformersError
@@ -239,8 +240,9 @@ def _install_all(model, fam, targets, state_of, linear_cls, resolutions, windows
     from .._probe.rope_params import rope_parameters
 
     carrier = _resolve.resolve("attention.carrier", fam.name)
-    routed = {id(m): carrier.impl == "interface" and _attend.original_key(m.config) in _attend.DELEGATES
-              for m, kind in targets if kind == "attention"}
+    kernel = kernel_chosen_by_environment()  # TFCOMPAT_ROPE_IMPL=triton: the bundled forward rotates with it
+    routed = {id(m): carrier.impl == "interface" and kernel is None and
+              _attend.original_key(m.config) in _attend.DELEGATES for m, kind in targets if kind == "attention"}
     moved = next((m for m, kind in targets if kind == "attention" and not routed[id(m)] and
                   _forward_owner(type(m)).__module__ != resolutions[2].target.__name__), None)
     if moved is not None:  # checked before anything is installed
@@ -248,8 +250,11 @@ def _install_all(model, fam, targets, state_of, linear_cls, resolutions, windows
             f"tfcompat.patch: {type(moved).__name__} overrides {fam.attention}.forward; tfcompat serves {fam.name}'s "
             f"packed attention on transformers {carrier.transformers} with its own forward ({carrier.impl}: "
             f"{carrier.reason}; the model runs {_attend.original_key(moved.config)!r}), which would drop what the "
-            f"override adds; where the release routes attention through ALL_ATTENTION_FUNCTIONS load the model with "
-            f"attn_implementation='sdpa' (or 'eager'), else patch a model of transformers' own classes")
+            f"override adds; "
+            + (f"TFCOMPAT_ROPE_IMPL={kernel} keeps the bundled forward: unset it (or set 'auto') to run upstream's "
+               f"forward with its own rotation" if kernel and carrier.impl == "interface" else
+               "where the release routes attention through ALL_ATTENTION_FUNCTIONS load the model with "
+               "attn_implementation='sdpa' (or 'eager'), else patch a model of transformers' own classes"))
 
     def same(m, kind):
         st = _patched_as(m)
