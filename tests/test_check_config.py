@@ -52,16 +52,23 @@ def test_published_config_passes_every_check(path, capsys):
         fam = family(model_type)
         flat = not hasattr(importlib.import_module(fam.configuration), f"{fam.prefix}TextConfig")
         keys = [d["key"] for d in doc["drift"]]
-        if all(k in ("rotation_layout", "indexer_rotation_layout") for k in keys):
+        if all(k in ("rotation_layout", "indexer_rotation_layout", "indexer_scores") for k in keys):
             # GLM-5/5.1 state rope_interleave / indexer_rope_interleave: true; 5.3-5.10 rotate the attention's rope
-            # channels (5.3-5.12 the indexer's) as NeoX halves whatever the file says (the installed class's own source)
+            # channels (5.3-5.12 the indexer's) as NeoX halves whatever the file says; GLM-5.1 was saved by 5.4.0,
+            # whose indexer passes its scores through a ReLU that 5.3 lacks (the installed class's own source)
             import inspect
 
+            from packaging.version import Version
+
             module = importlib.import_module(fam.modeling)
-            for key, cls in (("rotation_layout", f"{fam.prefix}Attention"), ("indexer_rotation_layout",
-                                                                            f"{fam.prefix}Indexer")):
-                src = inspect.getsource(getattr(module, cls).forward)
-                assert (key in keys) == ("apply_rotary_pos_emb_interleave(" not in src), (key, doc["drift"])
+            indexer = inspect.getsource(getattr(module, f"{fam.prefix}Indexer").forward)
+            attention = inspect.getsource(getattr(module, f"{fam.prefix}Attention").forward)
+            expected = {"rotation_layout": "apply_rotary_pos_emb_interleave(" not in attention,
+                        "indexer_rotation_layout": "apply_rotary_pos_emb_interleave(" not in indexer,
+                        "indexer_scores": "relu(" not in indexer
+                        and Version(json.loads(path.read_text()).get("transformers_version", "0")) >= Version("5.4")}
+            for key, drifts in expected.items():
+                assert (key in keys) == drifts, (key, doc["drift"])
             assert code == 2
             return
         assert code == 2 and flat and keys and all(k.startswith("text_config.") for k in keys), doc["drift"]

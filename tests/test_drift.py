@@ -281,17 +281,21 @@ def _this_release_computes(folder):
 
 
 def test_drift_sweep_against_the_models_themselves():
-    """Tiny configs saved by 4.51.3, 4.52.4, 4.53.3, 4.57.6, 5.0.0, 5.10.4 and 5.24.0 (tools/drift_sweep.py: sliding
-    windows as each release writes them, partial rotary factors, GLM-4's rotary, a theta), loaded by this
-    environment's release. Oracle: the saving release's own model (its logits, saved beside the file) against this
-    release's model of the same file, weights and row. Where they differ (or this release cannot run the file),
-    drift or check must say so (a miss otherwise); where they agree, it must say nothing (a false alarm
-    otherwise). 0 of each."""
+    """Tiny configs saved by 4.51.3, 4.52.4, 4.53.3, 4.57.6, 5.0.0, 5.10.4 and 5.24.0 (tools/drift_sweep.py; 173
+    folders: Qwen2, Qwen3, Llama, GLM-4, Qwen2-MoE, Qwen3-MoE, GLM-4.5-MoE, GLM-MoE-DSA; sliding windows as each
+    release writes them, MoE windows, YaRN with the explicit and the implicit factor, partial rotary factors, GLM-4's
+    rotary, a theta), loaded by this environment's release. Oracle: the saving release's own model (its logits,
+    saved beside the file) against this release's model of the same file, weights and row. Where they differ (or
+    this release cannot run the file), drift or check must say so (a miss otherwise); where they agree, it must say
+    nothing (a false alarm otherwise). 0 of each."""
     import transformers
 
     from tfcompat.errors import TfcompatError
 
-    assert len(SWEEP) >= 80, "the sweep's saved files are missing"
+    assert len(SWEEP) >= 170, "the sweep's saved files are missing"
+    variants = {os.path.basename(f).split("--")[0] for f in SWEEP}
+    assert {"qwen2-yarn_explicit", "qwen3-yarn_implicit", "qwen2_moe-w_on1", "qwen3_moe-yarn_explicit",
+            "glm4_moe-partial_quarter", "glm_moe_dsa-default"} <= variants, sorted(variants)
     misses, false_alarms, agreed, drifted = [], [], 0, 0
     for folder in SWEEP:
         want = torch.tensor(json.load(open(os.path.join(folder, "logits.json"))))

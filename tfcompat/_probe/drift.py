@@ -13,7 +13,6 @@ holds this to the models themselves (tools/drift_sweep.py). Patch-time code: not
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -21,21 +20,12 @@ import tempfile
 from typing import Any
 
 from ..errors import ConfigError, TfcompatError
+from . import derived as _derived
+from . import window as _window
+from .derived import Drift
+from .derived import text_part as _text_part
 from .families import text_config
 from .rope_params import rope_dict
-
-
-@dataclasses.dataclass(frozen=True)
-class Drift:
-    """One fact the file sets that this release builds otherwise."""
-
-    key: str
-    in_file: Any
-    built: Any
-    why: str
-
-    def line(self) -> str:
-        return f"{self.key}: {self.in_file!r} -> {self.built!r} ({self.why})"
 
 
 def load_config(path: str) -> Any:
@@ -78,11 +68,6 @@ def raw_of(path_or_config):
         return raw
     raise ConfigError(f"tfcompat.config.drift: pass a config.json path, a checkpoint folder or a loaded config, got "
                       f"{type(path_or_config).__name__}")
-
-
-def _text_part(raw):
-    text = raw.get("text_config")
-    return text if isinstance(text, dict) else {}
 
 
 def _intent(raw):
@@ -228,9 +213,11 @@ def compare(raw: dict, config: Any) -> list:
                          f"with theta {got['rope_theta']:g}"))
     out += _shape_drift(raw, config, want, got, release)
     if got["rope_type"] == "yarn":  # a release that builds no YaRN from the file: rope_type says so above
-        out += _yarn_drift(raw, saved, release)
-    out += _window_drift(raw, config, release, fam, saved)
-    out += _layout_drift(raw, fam, saved, release)
+        out += _derived.yarn_drift(raw, saved, release)
+    out += _window.window_drift(raw, config, release, fam, saved)
+    out += _derived.code_drift(raw, fam, saved, release)
+    out += _derived.expert_drift(raw, config, fam, saved, release)
+    out += _derived.moe_layers_drift(raw, config, fam, saved, release)
     factor, reading = _saved_partial(raw, want, fam, saved)
     if isinstance(factor, (int, float)) and not isinstance(factor, bool) and got["head_dim"]:
         meant = int(got["head_dim"] * float(factor))
@@ -240,82 +227,6 @@ def compare(raw: dict, config: Any) -> list:
                              f"transformers {release}'s rotary module rotates {got['rotary_dim']} of "
                              f"{got['head_dim']} channels, not {meant} ({reading})"))
     return out
-
-
-def _layout_drift(raw, fam, saved, release):
-    """Where the file was trained with another rotation of a part than this release applies (a change of code, not
-    of keys; the family table's ``rotation_layouts``): the layout the file states (GLM-5's ``rope_interleave``), else
-    the one its saving release applied."""
-    from packaging.version import Version
-
-    if fam is None:
-        return []
-    text = _text_part(raw)
-    out = []
-    for key, part, file_key, since, before, after in fam.rotation_layouts:
-        stated = text.get(file_key, raw.get(file_key))
-        if isinstance(stated, bool):
-            then, why = (after if stated else before), f"the file sets {file_key}: {str(stated).lower()}"
-        elif saved is not None:
-            then = before if Version(str(saved)) < Version(since) else after
-            why = f"transformers {saved}, which saved the file, rotates {part} as {then}"
-        else:
-            continue
-        now = before if Version(str(release)) < Version(since) else after
-        if then != now:
-            out.append(Drift(key, f"{part}: {then}", f"{part}: {now}",
-                             f"{why}; transformers {release} rotates them as {now} whatever the file says (the change "
-                             f"came in {since}); the model would train and infer with other attention than it was "
-                             f"trained with"))
-    return out
-
-
-#: the first release that builds YaRN from the explicit ``factor`` where the file also gives
-#: ``original_max_position_embeddings`` (read from the wheels' ``_compute_yarn_parameters``: 4.51.3-4.55.4 replace
-#: ``factor`` by ``max_position_embeddings / original_max_position_embeddings`` for inv_freq and the attention
-#: scaling; 4.56.2, 4.57.6 and every 5.x keep the explicit factor, "Using the explicit factor")
-YARN_EXPLICIT_FACTOR_SINCE = "4.56"
-
-
-def _yarn_factor(rope, max_positions, release):
-    """The factor ``release`` builds a YaRN rope dict with: the implicit one (max / original) before 4.56."""
-    from packaging.version import Version
-
-    factor, original = rope.get("factor"), rope.get("original_max_position_embeddings")
-    if Version(str(release)) < Version(YARN_EXPLICIT_FACTOR_SINCE) and original and max_positions:
-        return float(max_positions) / float(original)
-    return float(factor)
-
-
-def _yarn_drift(raw, saved, release):
-    """A YaRN file whose ``factor`` differs from ``max_position_embeddings / original_max_position_embeddings`` (the
-    long-context recipe of the Qwen2.5/Qwen3 cards: factor 4, original 32,768, max unchanged): a release before
-    4.56 builds inv_freq and the attention scaling from the ratio, a later one from the factor, so the model the
-    saving release trained is not the model this one builds."""
-    text = _text_part(raw)
-    rope = {}
-    for key in ("rope_scaling", "rope_parameters"):
-        value = text.get(key, raw.get(key))
-        if isinstance(value, dict):
-            rope.update({k: v for k, v in value.items() if v is not None})
-    if rope.get("rope_type", rope.get("type")) != "yarn" or saved is None:
-        return []
-    factor, original = rope.get("factor"), rope.get("original_max_position_embeddings")
-    max_positions = text.get("max_position_embeddings", raw.get("max_position_embeddings"))
-    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
-               for x in (factor, original, max_positions)):
-        return []
-    was, now = _yarn_factor(rope, max_positions, saved), _yarn_factor(rope, max_positions, release)
-    if abs(was - now) <= 1e-9 * max(abs(was), 1.0):
-        return []
-    how = {True: f"max_position_embeddings / original_max_position_embeddings = {max_positions}/{original}",
-           False: f"the explicit factor {factor:g}"}
-    keep = f"set factor to {was:g}" if now == float(factor) else \
-        f"set max_position_embeddings to {was * float(original):g}"
-    return [Drift("rope_scaling.factor (YaRN, as built)", was, now,
-                  f"transformers {saved} builds YaRN's inv_freq and attention scaling from "
-                  f"{how[was != float(factor)]}, transformers {release} from {how[now != float(factor)]}: the "
-                  f"model would train with other frequencies; {keep} in the file to build the saved model")]
 
 
 def _saved_by(raw):
@@ -404,67 +315,6 @@ def _interleave_drift(config, interleaved, release):
         return []
     return [Drift("mrope_interleaved", interleaved, folds == "interleaved",
                   f"transformers {release} folds {fam.name}'s mRoPE sections {folds} whatever the file sets")]
-
-
-def _window_intent(raw, fam=None, saved=None):
-    """``(window, the layers the saving release windowed)``: where the file says it unambiguously (``layer_types``
-    for every layer, or ``use_sliding_window: false``), or by the saving release's one-mask rule (the family
-    table's ``one_mask_before_4_53`` and ``one_mask_before_5``); None where neither tells (no window, or the meaning of
-    ``max_window_layers`` alone, which families number differently)."""
-    text = _text_part(raw)
-
-    def get(key):
-        return text.get(key, raw.get(key))
-
-    window, layers = get("sliding_window"), get("num_hidden_layers")
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0 or not isinstance(layers, int):
-        return None
-    if fam is not None and fam.one_mask_before_4_53 and saved is not None and saved.release < (4, 53):
-        every = saved.release < (4, 52) or get("use_sliding_window") is True
-        return window, frozenset(range(layers)) if every else frozenset()
-    if fam is not None and fam.one_mask_before_5 and saved is not None and saved.release < (5,):
-        return window, frozenset(range(layers)) if get("use_sliding_window") is True else frozenset()
-    types = get("layer_types")
-    if isinstance(types, list) and len(types) == layers:
-        return window, frozenset(i for i, t in enumerate(types) if t == "sliding_attention")
-    if get("use_sliding_window") is False:
-        return window, frozenset()
-    return None
-
-
-def _layers(windowed, total):
-    if not windowed:
-        return "no layer"
-    if len(windowed) == total:
-        return f"all {total} layers"
-    return f"layers {sorted(windowed)}"
-
-
-def _window_drift(raw, config, release, fam=None, saved=None):
-    """The layers the file windows against the layers this release's model windows (its own eager attention
-    on a tiny copy with these settings: ``window._probe``), where the window is shorter than the model's longest
-    position (a window no shorter than every row changes nothing)."""
-    from .families import family
-    from .window import probed
-
-    intent = _window_intent(raw, fam, saved)
-    text = text_config(config)
-    longest = getattr(text, "max_position_embeddings", None)
-    if intent is None or (isinstance(longest, int) and intent[0] >= longest):
-        return []
-    window, meant = intent
-    total = int(text.num_hidden_layers)
-    built: frozenset = frozenset()
-    if getattr(text, "sliding_window", None):
-        built = frozenset(i for i, extra in probed(family(config), text).items() if extra is not None)
-    if built == meant:
-        return []
-    return [Drift("sliding_window", f"{window} on {_layers(meant, total)}", f"{window} on {_layers(built, total)}",
-                  f"transformers {release}'s attention windows other layers than "
-                  + (f"transformers {saved}, which saved the file, did" if saved is not None else
-                     "the file sets (it names no saving release: read from its keys)")
-                  + f" (this release's own eager attention on a tiny copy with these settings); sequences longer "
-                  f"than {window} tokens would train with another attention")]
 
 
 def _release():

@@ -1,7 +1,7 @@
 """What each supported model family looks like: data only, no version branches.
 
 A family is named by transformers' ``model_type`` of its top-level config. The
-resolver (``_resolve.py``) turns these facts into decisions for the installed
+resolver (:mod:`.resolve`) turns these facts into decisions for the installed
 release; nothing here imports transformers.
 """
 
@@ -41,10 +41,11 @@ class Family:
     #: and sdpa; measured on 4.51.3 and 4.57.6 with ``max_window_layers`` 0 and 1); 5.x derives ``layer_types``
     #: (the even layers below ``max_window_layers``) and saves them (Qwen2-MoE)
     one_mask_before_5: bool = False
-    #: releases that changed how the family rotates the same channels, whatever the file says (read from the wheels'
-    #: modeling files): ((drift record key, the part, the file's key that states the layout it was trained with
-    #: (true: interleaved), first release of the new layout, layout before, from), ...)
-    rotation_layouts: tuple = ()
+    #: releases that changed what the family computes from the same keys, whatever the file says (read from the
+    #: wheels' modeling files: a rotation layout, a score function): ((drift record key, the part, the file's key that
+    #: states which one it was trained with (true: the new one; "" where none does), first release of the new one,
+    #: before, from), ...)
+    code_changes: tuple = ()
     #: where ``reads_partial_rotary`` is PROBE_ONLY because it changed once: the first 5.x release whose rotary module
     #: no longer reads ``rope_parameters["partial_rotary_factor"]`` (read from the wheels), for a file another
     #: release saved
@@ -161,10 +162,14 @@ FAMILIES = {
                # NeoX halves (apply_rotary_pos_emb) on 5.3-5.10 in the attention and 5.3-5.12 in the indexer;
                # interleaved pairs (apply_rotary_pos_emb_interleave) from 5.11 and 5.13
                # (GLM-5/5.1's files state it: rope_interleave, indexer_rope_interleave true, which no release reads)
-               rotation_layouts=(("rotation_layout", "the attention's rope channels", "rope_interleave", "5.11",
+               code_changes=(("rotation_layout", "the attention's rope channels", "rope_interleave", "5.11",
                                   "NeoX halves", "interleaved pairs"),
                                  ("indexer_rotation_layout", "the indexer's rope channels", "indexer_rope_interleave",
-                                  "5.13", "NeoX halves", "interleaved pairs")),
+                                  "5.13", "NeoX halves", "interleaved pairs"),
+                                 # the indexer's scores through a ReLU before its top-k from 5.4 (5.3.0 and 5.4.0
+                                 # wheels), which selects other keys; no file key states it
+                                 ("indexer_scores", "the indexer's scores", "", "5.4", "used as computed",
+                                  "passed through ReLU")),
                tiny_text=dict(_MOE, **_MLA)),
         Family("qwen2_vl", "qwen2_vl", "Qwen2VL", "Qwen2VLAttention", "Qwen2VLRotaryEmbedding", "neox",
                mrope="contiguous", default_mrope_section=PROBE_ONLY, aliases=("qwen2_vl_text",), vision=True,

@@ -12,7 +12,8 @@ attention layer's weights show whether its last query saw every key. sdpa and ea
 gets the window its attention module hands that kernel (``sliding_window`` on the module; 4.x: the
 per-call rule of ``transformers4.sliding_window``), as upstream's flash path does.
 
-Run once per distinct setting (cached), at patch time; never in a step.
+Run once per distinct setting (cached), at patch time; never in a step. :func:`window_drift` holds a config file's
+windows (as the release that saved it built them) against the layers this release windows.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 from ..errors import UnsupportedTransformersError
 from . import transformers4
 
-__all__ = ["layer_windows"]
+__all__ = ["layer_windows", "window_drift"]
 
 _PROBE_WINDOW = 2
 _PROBE_TOKENS = 5
@@ -127,3 +128,59 @@ def _probe(fam, settings) -> dict:
             f"tfcompat {fam.name}: the sliding-window probe saw attention weights of {len(seen)} of {len(layers)} "
             f"layers; please report this release (transformers {_resolve._version.transformers_version()})")
     return {i: (None if count >= _PROBE_TOKENS else count - _PROBE_WINDOW) for i, count in seen.items()}
+
+
+def _window_intent(raw, fam=None, saved=None):
+    """``(window, the layers the saving release windowed)``: where the file says it unambiguously (``layer_types``
+    for every layer, or ``use_sliding_window: false``), or by the saving release's one-mask rule (the family
+    table's ``one_mask_before_4_53`` and ``one_mask_before_5``); None where neither tells (no window, or the meaning of
+    ``max_window_layers`` alone, which families number differently)."""
+    from .derived import text_part
+
+    text = text_part(raw)
+
+    def get(key):
+        return text.get(key, raw.get(key))
+
+    window, layers = get("sliding_window"), get("num_hidden_layers")
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0 or not isinstance(layers, int):
+        return None
+    if fam is not None and fam.one_mask_before_4_53 and saved is not None and saved.release < (4, 53):
+        every = saved.release < (4, 52) or get("use_sliding_window") is True
+        return window, frozenset(range(layers)) if every else frozenset()
+    if fam is not None and fam.one_mask_before_5 and saved is not None and saved.release < (5,):
+        return window, frozenset(range(layers)) if get("use_sliding_window") is True else frozenset()
+    types = get("layer_types")
+    if isinstance(types, list) and len(types) == layers:
+        return window, frozenset(i for i, t in enumerate(types) if t == "sliding_attention")
+    if get("use_sliding_window") is False:
+        return window, frozenset()
+    return None
+
+
+def window_drift(raw, config, release, fam=None, saved=None):
+    """The layers the file windows against the layers this release's model windows (its own eager attention
+    on a tiny copy with these settings: ``window._probe``), where the window is shorter than the model's longest
+    position (a window no shorter than every row changes nothing)."""
+    from .derived import Drift, layers_named
+    from .families import family, text_config
+
+    intent = _window_intent(raw, fam, saved)
+    text = text_config(config)
+    longest = getattr(text, "max_position_embeddings", None)
+    if intent is None or (isinstance(longest, int) and intent[0] >= longest):
+        return []
+    window, meant = intent
+    total = int(text.num_hidden_layers)
+    built = frozenset()
+    if getattr(text, "sliding_window", None):
+        built = frozenset(i for i, extra in probed(family(config), text).items() if extra is not None)
+    if built == meant:
+        return []
+    return [Drift("sliding_window", f"{window} on {layers_named(meant, total)}",
+                  f"{window} on {layers_named(built, total)}",
+                  f"transformers {release}'s attention windows other layers than "
+                  + (f"transformers {saved}, which saved the file, did" if saved is not None else
+                     "the file sets (it names no saving release: read from its keys)")
+                  + f" (this release's own eager attention on a tiny copy with these settings); sequences longer "
+                  f"than {window} tokens would train with another attention")]
