@@ -1,6 +1,7 @@
 """Test helpers: the upstream oracle, read straight from the installed transformers."""
 
 import contextlib
+import copy
 import functools
 import importlib
 import inspect
@@ -135,26 +136,78 @@ def position_ids(name, batch, seq, generator):
     return torch.randint(0, 64, (batch, seq), generator=generator)
 
 
-def upstream_rope(name, config):
-    """The rotary application the installed attention calls, found by reading its forward."""
+_ROPE_CALLS: dict = {}
+
+
+def _recorded_rope_call(name, config):
+    """``(function, trailing args, trailing kwargs)`` of the first rotary call upstream's text attention makes: the
+    installed model of ``config`` (``model_class``, eager attention) runs one 6-token text row with every function of
+    the attention forward's own globals whose name says it applies a rotary embedding wrapped by a recorder."""
+    from tfcompat.testing import model_class
+
+    key = (name, config.to_json_string(use_diff=False))
+    if key in _ROPE_CALLS:
+        return _ROPE_CALLS[key]
     fam = FAMILIES[name]
-    module = modeling(name)
-    body = inspect.getsource(inspect.unwrap(getattr(module, fam.attention).forward))
-    if "apply_multimodal_rotary_pos_emb" in body:
-        tc = text_config(config)
-        rope = tc.__dict__.get("rope_parameters") or tc.__dict__.get("rope_scaling")
-        section = rope["mrope_section"]
-        fn = module.apply_multimodal_rotary_pos_emb
-        return lambda q, k, c, s, unsqueeze_dim=1: fn(q, k, c, s, section, unsqueeze_dim=unsqueeze_dim)
-    if "apply_rotary_pos_emb_interleave(" in body and getattr(text_config(config), "rope_interleave", True):
-        # MLA (GLM-4.7-Flash, GLM-5): the attention calls this one where the config says rope_interleave
-        fn = module.apply_rotary_pos_emb_interleave
-        return lambda q, k, c, s, unsqueeze_dim=1: fn(q, k, c, s, unsqueeze_dim=unsqueeze_dim)
-    fn = module.apply_rotary_pos_emb
-    if list(inspect.signature(fn).parameters)[1] == "cos":  # one tensor per call (GLM-5 on 5.3-5.5)
-        return lambda q, k, c, s, unsqueeze_dim=1: (fn(q, c, s, unsqueeze_dim=unsqueeze_dim),
-                                                    fn(k, c, s, unsqueeze_dim=unsqueeze_dim))
-    return lambda q, k, c, s, unsqueeze_dim=1: fn(q, k, c, s, unsqueeze_dim=unsqueeze_dim)
+    forward = inspect.unwrap(getattr(modeling(name), fam.attention).forward)
+    space = forward.__globals__  # what the attention's own name lookups read
+    names = [n for n, v in space.items() if callable(v) and n.startswith("apply_") and ("rotary" in n or "rope" in n)]
+    calls = []
+
+    def recorder(n, fn):
+        def record(*args, **kwargs):
+            calls.append((fn, args, kwargs))
+            return fn(*args, **kwargs)
+        return record
+
+    saved = {n: space[n] for n in names}
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = model_class(name)(copy.deepcopy(config)).eval()
+    model.config._attn_implementation = "eager"
+    for sub in model.modules():
+        sub_config = getattr(sub, "config", None)
+        if sub_config is not None and hasattr(sub_config, "_attn_implementation"):
+            sub_config._attn_implementation = "eager"
+    try:
+        for n in names:
+            space[n] = recorder(n, saved[n])
+        with torch.no_grad():
+            ids = torch.arange(10, 16)[None]
+            if fam.vision:  # text positions on every mRoPE row: no rope-index pass (GLM-Image's asks for its grid)
+                model(input_ids=ids, position_ids=torch.arange(6).expand(3, 1, 6))
+            else:
+                model(input_ids=ids)
+    finally:
+        space.update(saved)
+    assert calls, f"upstream's {fam.attention} made no call to any of {names}"
+    fn, args, kwargs = calls[0]
+    # 5.25 wraps it as a kernel-hub module (``use_kernel_forward_from_hub``): its forward has the signature
+    bound = inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    _ROPE_CALLS[key] = fn, list(bound.arguments.items())
+    return _ROPE_CALLS[key]
+
+
+def upstream_rope(name, config):
+    """The oracle: the rotary call upstream's attention really makes for ``config`` (recorded from the installed
+    model's own forward, :func:`_recorded_rope_call`), replayed on the caller's tensors with every other argument
+    that forward passed (the mRoPE section, ...); never a choice read from the source. A function that takes one
+    tensor (``x, cos, sin``: GLM-5 on 5.3-5.5) is called for q and for k."""
+    fn, recorded = _recorded_rope_call(name, config)
+    names = [n for n, _ in recorded]
+    tensors = names[:names.index("cos")]  # (q, k) or (x,)
+
+    def call(q, k, c, s, unsqueeze_dim=1):
+        def one(*xs):
+            given = dict(recorded, **dict(zip(tensors, xs)), cos=c, sin=s)
+            if "unsqueeze_dim" in given:
+                given["unsqueeze_dim"] = unsqueeze_dim
+            return fn(**given)
+        return one(q, k) if len(tensors) == 2 else (one(q), one(k))
+
+    return call
 
 
 def param_grads(model):

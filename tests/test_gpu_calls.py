@@ -366,7 +366,7 @@ def test_every_device_side_check_message_fits_cuda():
     import pathlib
 
     import tfcompat
-    from tfcompat._step import traced  # private: the traced step's device-side checks are under test
+    from tfcompat._step import starts as traced  # private: the traced step's device-side checks are under test
 
     def text(node):
         if isinstance(node, ast.Constant):

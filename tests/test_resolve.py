@@ -277,3 +277,55 @@ def test_the_public_family_facts_are_the_tables():
         assert (info.vision, info.mrope, info.nope, info.patch_refusal, info.embeds_refusal, info.since) == \
             (fam.vision, fam.mrope, fam.nope, fam.patch_refusal, fam.embeds_refusal, fam.since)
         assert info.text_family == (fam.text_family or name) and info.audio == ("audio_config" in fam.tiny_top)
+
+
+def test_docstrings_name_private_things_that_exist():
+    """Every private name a docstring or comment of the package spells in double backticks (``_name``,
+    ``_room.module``, ``name.py``) or as ``tfcompat._name`` is a module, a file or a name the package defines
+    or spells in its code (an upstream hook it looks up by name), or the installed transformers defines: moved rooms
+    left "``_patch``", "``_boundaries``", "tfcompat._window", "``_checks``" and "``_backends``" naming modules that no
+    longer existed."""
+    import ast
+    import pathlib
+    import re
+
+    import transformers
+
+    import tfcompat
+
+    root = pathlib.Path(tfcompat.__file__).parent
+    files = [p for p in root.rglob("*.py") if "__pycache__" not in p.parts]
+    modules = {p.stem for p in files} | {p.parent.name for p in files}
+    checkout = pathlib.Path(__file__).resolve().parent.parent  # setup.py beside the package
+    known = modules | {p.name for p in files} | {p.name for p in checkout.glob("*.py")}
+    aliases: dict = {}
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):  # what the package defines, not every name it uses
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                known.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    for leaf in ast.walk(target):
+                        if isinstance(leaf, ast.Name):
+                            known.add(leaf.id)
+                        elif isinstance(leaf, ast.Attribute):
+                            known.add(leaf.attr)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+                known.add(node.value)  # a name the code looks up (getattr, a hook's name)
+            elif isinstance(node, ast.alias):  # an import's name means something in its own file only
+                aliases.setdefault(path, set()).add(node.asname or node.name.split(".")[-1])
+    upstream = pathlib.Path(transformers.__file__).parent
+    stale = []
+    for path in files:
+        text = path.read_text()
+        stale += [f"{path.relative_to(root)}: tfcompat.{name}" for name in re.findall(r"\btfcompat\.(_\w+)", text)
+                  if name not in modules]
+        for name in re.findall(r"``(_[\w.]+|[\w]+\.py)``", text):
+            parts = [name] if name.endswith(".py") else [p for p in name.split(".") if p]
+            if all(p in known or p in aliases.get(path, ()) for p in parts):
+                continue
+            if len(parts) == 1 and not name.endswith(".py") and \
+                    any(f"def {name}(" in f.read_text() for f in upstream.rglob("*utils*.py")):
+                continue  # upstream's own helper (``_compute_yarn_parameters``)
+            stale.append(f"{path.relative_to(root)}: {name}")
+    assert not stale, stale

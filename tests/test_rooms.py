@@ -132,3 +132,20 @@ def test_no_code_branches_on_a_kernels_name():
                                            and isinstance(node.left, ast.Call)):
                     found.append(f"{rel}:{node.lineno}")
     assert not found, f"code branching on a kernel's name (give the row the behaviour instead): {found}"
+
+
+def test_sizes_stay_within_the_house_rules():
+    """No module of the package over 350 lines, no function over 60 (docs/design.md): a module past them holds two
+    features, a function two steps."""
+    import ast
+
+    long_modules, long_functions = [], []
+    for path in sorted(p for p in ROOT.rglob("*.py") if "__pycache__" not in p.parts):
+        text = path.read_text()
+        name = str(path.relative_to(ROOT))
+        if len(text.splitlines()) > 350:
+            long_modules.append(f"{name}: {len(text.splitlines())}")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long_functions.append(f"{name}:{node.name}: {node.end_lineno - node.lineno + 1}")
+    assert not long_modules and not long_functions, (long_modules, long_functions)

@@ -659,7 +659,7 @@ def test_fused_qkv_slices_are_checked_on_their_layout_alone():
     sharing one. The check reads the layout only (a CPU bitmap over the views' span, once per layout): meta
     tensors of a 7B-sized fused projection answer too (it allocated a bool buffer of the whole storage on q's
     device, and read it back, on every call)."""
-    from tfcompat.rope import _share_elements
+    from tfcompat._kernels.rope import share_elements as _share_elements  # private: the layout rule
 
     for device in ("cpu", "meta"):
         qkv = torch.empty(1, 4096, (28 + 2 * 4) * 128, device=device).view(1, 4096, 36, 128)

@@ -262,7 +262,7 @@ def test_checkpoint_around_the_whole_text_model_carries_the_boundaries(name, thr
     _close_all(_grads(model), want_grads, f"{name} grad, checkpoint around the text model")
 
 
-@pytest.mark.parametrize("source", ["position_ids", "cu_seq_lens"])
+@pytest.mark.parametrize("source", ["position_ids", "cu_seq_lens", "seq_idx"])
 @pytest.mark.parametrize("name", FAMILIES[:2] + VISION[:1])
 def test_packed_row_with_labels_gives_the_padded_loss(name, source):
     """labels on a packed row (the row's own ids, no -100 at the sequence starts): upstream's shift would make
@@ -283,6 +283,9 @@ def test_packed_row_with_labels_gives_the_padded_loss(name, source):
     where = dict(position_ids=pk.position_ids) if source == "position_ids" else dict(
         cu_seq_lens_q=pk.cu_seqlens, cu_seq_lens_k=pk.cu_seqlens, max_length_q=pk.max_seqlen,
         max_length_k=pk.max_seqlen)
+    if source == "seq_idx":  # each token's sequence (mamba-style kernels' name): read eagerly as under compile
+        n = pk.input_ids.shape[1]
+        where = dict(seq_idx=torch.bucketize(torch.arange(n), pk.cu_seqlens[1:].long(), right=True)[None])
     got = model(input_ids=pk.input_ids, labels=pk.input_ids, **where)
     got.loss.backward()
     close_to_model(got.loss.detach(), want.loss.detach(), f"{name} loss")

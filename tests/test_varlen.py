@@ -1,4 +1,4 @@
-"""varlen_attention and boundaries: the SDPA fallback against plain per-sequence attention."""
+"""varlen_attention and boundaries: the SDPA fallback against upstream's own eager attention per sequence."""
 
 import pytest
 import torch
@@ -22,19 +22,38 @@ def test_three_row_ids_are_refused():
         cu_seqlens_from_position_ids(torch.zeros(3, 1, 5, dtype=torch.long))
 
 
+def _upstream_mask(n, window):
+    """(n, n) additive mask of upstream's own mask functions for one sequence of ``n`` tokens whose queries see at most
+    ``window`` keys: ``masking_utils``' causal / sliding-window causal functions (4.53+), else (4.51-4.52)
+    ``AttentionMaskConverter._make_causal_mask``, whose ``sliding_window`` counts one key more."""
+    try:
+        from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+    except ImportError:
+        from transformers.modeling_attn_mask_utils import AttentionMaskConverter
+
+        return AttentionMaskConverter._make_causal_mask((1, n), torch.float32, torch.device("cpu"),
+                                                        sliding_window=None if window is None else window - 1)[0, 0]
+    fn = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    i = torch.arange(n)
+    allowed = fn(0, 0, i[:, None], i[None, :])
+    return torch.zeros(n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
 def _reference(q, k, v, cu, window=None):
+    """The oracle: upstream's own eager attention (``eager_attention_forward`` of modeling_qwen2, the function
+    Qwen2's attention calls under ``eager``: its GQA repeat, scaling and softmax) on each sequence alone, under
+    upstream's own causal / sliding-window mask (:func:`_upstream_mask`)."""
+    import types
+
+    from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
+
+    module = types.SimpleNamespace(num_key_value_groups=q.shape[1] // k.shape[1], training=False)
     out = []
-    groups = q.shape[1] // k.shape[1]
     for lo, hi in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        qs, ks, vs = q[lo:hi], k[lo:hi].repeat_interleave(groups, 1), v[lo:hi].repeat_interleave(groups, 1)
-        scores = torch.einsum("qhd,khd->hqk", qs, ks) * q.shape[-1] ** -0.5
-        n = hi - lo
-        i = torch.arange(n)
-        allowed = i[:, None] >= i[None, :]
-        if window is not None:
-            allowed &= (i[:, None] - i[None, :]) < window
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs))
+        qs, ks, vs = (t[lo:hi].transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, tokens, dim)
+        o, _ = eager_attention_forward(module, qs, ks, vs, _upstream_mask(hi - lo, window)[None, None],
+                                       scaling=q.shape[-1] ** -0.5)
+        out.append(o[0])  # (tokens, heads, dim)
     return torch.cat(out)
 
 

@@ -264,53 +264,6 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return Rotation(q, k, cos, sin, fam.name, res, seq_dim, unsqueeze_dim, section, False, chosen)(q, k)
 
 
-_SHARED: dict = {}
-
-
-def _share_elements(q, k):
-    """Whether q and k have an element in common. Disjoint slices of one fused QKV projection share a storage
-    and interleave in memory without sharing an element: only those are checked element by element, on the
-    layout alone (shapes, strides, offsets: a CPU bitmap over the span the two views cover, never q's device, so
-    no host sync), once per layout."""
-    import torch
-
-    if q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr() or not torch._C._overlaps(q, k):
-        return False
-    if q.dtype != k.dtype:
-        return True
-    key = (tuple(q.shape), q.stride(), q.storage_offset(), tuple(k.shape), k.stride(), k.storage_offset())
-    found = _SHARED.get(key)
-    if found is None:
-        def end(t):
-            return t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
-
-        lo = min(q.storage_offset(), k.storage_offset())
-        marks = torch.zeros(max(end(q), end(k)) - lo, dtype=torch.bool)
-        marks.as_strided(q.shape, q.stride(), q.storage_offset() - lo).fill_(True)
-        found = bool(marks.as_strided(k.shape, k.stride(), k.storage_offset() - lo).any())
-        if len(_SHARED) > 4096:
-            _SHARED.clear()
-        _SHARED[key] = found
-    return found
-
-
-def _overlaps_itself(t):
-    """Whether some elements of ``t`` share memory (a stride of 0 over a dimension of more than one element, or
-    strides that interleave: torch's own in-place ops refuse such a tensor)."""
-    import torch
-
-    verdict = torch._debug_has_internal_overlap(t)  # 0: no, 1: yes, 2: torch cannot tell cheaply
-    if verdict != 2:
-        return verdict == 1
-    dims = sorted((abs(s), n) for s, n in zip(t.stride(), t.shape) if n > 1)
-    span = 1
-    for stride, size in dims:  # each dimension must step past the whole extent of the finer ones
-        if stride < span:
-            return True
-        span = stride * (size - 1) + span
-    return False
-
-
 def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, config: Any = None,
                 model_type: Optional[str] = None, mrope_section: Optional[Sequence[int]] = None,
                 unsqueeze_dim: int = 1, impl: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -327,19 +280,20 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     rotates with that kernel; otherwise, where upstream's attention calls ``ALL_ATTENTION_FUNCTIONS``, upstream's
     forward rotates with its own function.
     """
+    from ._kernels.rope import overlaps_itself, share_elements  # torch: imported at the first call
+
     chosen = chosen_impl(impl)
     fam, res, seq_dim = _prepare(q, k, cos, sin, config, model_type, mrope_section, unsqueeze_dim)
     section = _section(fam, config, mrope_section, res.plan, cos) if res.plan.cos_rows == 3 else None
-
     if seq_dim is None:
         raise RopeShapeError(f"apply_rope_ for {fam.name}: q {tuple(q.shape)} and k {tuple(k.shape)} with "
                              f"unsqueeze_dim={unsqueeze_dim}: in place takes (batch, heads, seq, head_dim) or "
                              f"(batch, seq, heads, head_dim) (unsqueeze_dim=2); use apply_rope for other shapes")
-    if q is k or _share_elements(q, k):
+    if q is k or share_elements(q, k):
         raise RopeShapeError(f"apply_rope_ for {fam.name}: q and k share memory, so rotating one in place would "
                              f"rotate the other twice; pass separate tensors, or use apply_rope")
     for name, t in (("q", q), ("k", k)):
-        if _overlaps_itself(t):
+        if overlaps_itself(t):
             raise RopeShapeError(f"apply_rope_ for {fam.name}: {name} {tuple(t.shape)} with strides {t.stride()} has "
                                  f"elements that share memory (an expand() or a broadcast view), so one write would "
                                  f"rotate several positions; pass a tensor it owns ({name}.contiguous() or "

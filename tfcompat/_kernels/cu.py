@@ -43,14 +43,3 @@ def check_longest(bounds, given, who, name="max_seqlen", hint="", tail=False, of
         raise PackingError(f"{who}: {name} {int(given)} but the longest sequence of {of}{shown} has {real} "
                            f"tokens{hint}")
     return max(lengths)
-
-
-def restarts(positions):
-    """Where one row of text positions restarts at 0 (transformers' rule: a sequence begins there), as a Python
-    list that starts with 0, and the first token where the positions go down without restarting at 0 (None where
-    none does). The one reading of boundaries from positions: ``cu_seqlens_from_position_ids`` and the patched
-    model's step both call it, each saying a refusal its own way."""
-    down = torch.nonzero((positions[1:] < positions[:-1]) & (positions[1:] != 0)).flatten()
-    if down.numel():
-        return None, int(down[0]) + 1
-    return [0] + (torch.nonzero(positions[1:] == 0).flatten() + 1).tolist(), None

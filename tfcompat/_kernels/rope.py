@@ -279,3 +279,46 @@ def fold_contiguous(cos, section):
     """Qwen2-VL / GLM-4V mRoPE: (3, b, s, rd) -> (b, s, rd), T/H/W blocks of ``section`` (twice)."""
     split = list(section) * 2
     return torch.cat([m[i % 3] for i, m in enumerate(cos.split(split, dim=-1))], dim=-1)
+
+
+_SHARED: dict = {}
+
+
+def share_elements(q, k):
+    """Whether q and k have an element in common. Disjoint slices of one fused QKV projection share a storage
+    and interleave in memory without sharing an element: only those are checked element by element, on the
+    layout alone (shapes, strides, offsets: a CPU bitmap over the span the two views cover, never q's device, so
+    no host sync), once per layout."""
+    if q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr() or not torch._C._overlaps(q, k):
+        return False
+    if q.dtype != k.dtype:
+        return True
+    key = (tuple(q.shape), q.stride(), q.storage_offset(), tuple(k.shape), k.stride(), k.storage_offset())
+    found = _SHARED.get(key)
+    if found is None:
+        def end(t):
+            return t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+
+        lo = min(q.storage_offset(), k.storage_offset())
+        marks = torch.zeros(max(end(q), end(k)) - lo, dtype=torch.bool)
+        marks.as_strided(q.shape, q.stride(), q.storage_offset() - lo).fill_(True)
+        found = bool(marks.as_strided(k.shape, k.stride(), k.storage_offset() - lo).any())
+        if len(_SHARED) > 4096:
+            _SHARED.clear()
+        _SHARED[key] = found
+    return found
+
+
+def overlaps_itself(t):
+    """Whether some elements of ``t`` share memory (a stride of 0 over a dimension of more than one element, or
+    strides that interleave: torch's own in-place ops refuse such a tensor)."""
+    verdict = torch._debug_has_internal_overlap(t)  # 0: no, 1: yes, 2: torch cannot tell cheaply
+    if verdict != 2:
+        return verdict == 1
+    dims = sorted((abs(s), n) for s, n in zip(t.stride(), t.shape) if n > 1)
+    span = 1
+    for stride, size in dims:  # each dimension must step past the whole extent of the finer ones
+        if stride < span:
+            return True
+        span = stride * (size - 1) + span
+    return False

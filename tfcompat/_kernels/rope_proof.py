@@ -12,6 +12,29 @@ from . import table
 _TOKENS = 1024
 
 
+def _piece(q, k, cos, sin, seq_dim, rows3):
+    """The slice of a call a proof rotates, covering its structure: its first and last batch rows, every token up to
+    _TOKENS (else the first and last _TOKENS / 2: a kernel wrong past some token, or for the last row, fails), every
+    head of q and k, every channel (every mRoPE section); cos/sin rows and tokens selected with them, so each token
+    keeps its own angles; cloned (under inference_mode the caller's cos/sin are inference tensors, which autograd
+    cannot save)."""
+    seq = q.shape[seq_dim]
+    ti = torch.arange(seq, device=q.device)
+    if seq > _TOKENS:
+        ti = torch.cat((ti[:_TOKENS // 2], ti[-(_TOKENS // 2):]))
+    ri = torch.tensor(sorted({0, q.shape[0] - 1}), device=q.device)
+    qs, ks = (t.detach().index_select(0, ri).index_select(seq_dim, ti).clone() for t in (q, k))
+
+    def pick(t):
+        t = t.detach()
+        batch_dim = 1 if rows3 else 0
+        if t.shape[batch_dim] != 1:
+            t = t.index_select(batch_dim, ri)
+        return t.index_select(-2, ti).clone()
+
+    return qs, ks, pick(cos), pick(sin)
+
+
 def proven(q, k, cos, sin, layout, seq_dim, inplace, rotation, gptj_cos, explicit):
     """First use proves the kernel (``table.first_use``): for this call's (device, dtypes, layout, widths, in place),
     once per process, a slice of the call's own tensors (the first and last batch rows, up to 1,024 of their
@@ -27,29 +50,9 @@ def proven(q, k, cos, sin, layout, seq_dim, inplace, rotation, gptj_cos, explici
     key = (str(q.dtype)[6:], str(cos.dtype)[6:]) + fast[4:]
     if q.numel() == 0 or k.numel() == 0:
         return False  # an empty call proves nothing (a kernel that writes zeros would pass): the composite serves it
-    # the slice covers the call's structure: its first and last batch rows, every token up to _TOKENS (else the
-    # first and last _TOKENS / 2: a kernel wrong past some token, or for the last row, fails), every head of q and
-    # k, every channel (every mRoPE section); cos/sin rows and tokens are selected with them, so each token keeps
-    # its own angles
-    def piece():  # built inside the proof: a key that failed its proof reaches proven() on every call
-        seq = q.shape[seq_dim]
-        ti = torch.arange(seq, device=q.device)
-        if seq > _TOKENS:
-            ti = torch.cat((ti[:_TOKENS // 2], ti[-(_TOKENS // 2):]))
-        ri = torch.tensor(sorted({0, q.shape[0] - 1}), device=q.device)
-        qs, ks = (t.detach().index_select(0, ri).index_select(seq_dim, ti).clone() for t in (q, k))
-        # cloned too: under inference_mode the caller's cos/sin are inference tensors, which autograd cannot save
-        def pick(t):
-            t = t.detach()
-            batch_dim = 1 if rows3 else 0
-            if t.shape[batch_dim] != 1:
-                t = t.index_select(batch_dim, ri)
-            return t.index_select(-2, ti).clone()
-
-        return qs, ks, pick(cos), pick(sin)
 
     def both_ways(rotate, dtype=None):
-        qs, ks, cs, ss = piece()
+        qs, ks, cs, ss = _piece(q, k, cos, sin, seq_dim, rows3)  # built inside: a failed key reaches here on every call
         if dtype is not None:
             qs, ks = qs.to(dtype), ks.to(dtype)
         with torch.no_grad():

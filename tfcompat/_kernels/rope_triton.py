@@ -1,12 +1,10 @@
 """Fused Triton RoPE: one launch rotates q and k, forward or backward, for every convention tfcompat covers.
 
-Tuned for CUDA, after Liger-Kernel's RoPE (a program per token, every head of q and k): each program rotates a
-block of tokens and every q and k head of them, so a call is one kernel launch that reads q and k once and writes
-them once (out of place) or back into them (in place), and reads each token's cos/sin row once (before the head
-loops), with the token's offsets computed once per token, not per (token, head). Nothing is synced with the host
-and nothing of q's size is saved for backward: the backward is the inverse rotation, the same kernel with
-``INVERSE`` set. On CPU tensors Triton runs it in its interpreter
-(``TRITON_INTERPRET=1``, set before triton is imported): slow, for testing only.
+Each program rotates a block of tokens and every q and k head of them (as Liger-Kernel's RoPE does per token):
+one launch reads q and k once, writes them once (out of place) or back (in place), and reads each token's cos/sin
+row once, its offsets computed per token. No host sync; nothing of q's size saved for backward (the inverse
+rotation: the same kernel with ``INVERSE``). On CPU tensors Triton's interpreter runs it (``TRITON_INTERPRET=1``,
+set before triton is imported), for testing only.
 
 Index maps, per pair ``i`` of the rotary width ``RD`` (``HALF = RD // 2`` pairs):
 
@@ -27,13 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-# Sized for the GPU (registers, spills), not for the interpreter: a program holds _PAIRS pairs of a head at a time
-# (its tokens times the rotary pairs of a row, padded to a power of two: the cos/sin tile it keeps for every head)
-# with _WARPS warps, 4 pairs a thread, loops over the heads, and copies a partial-rotary tail in chunks of the same
-# size. Triton's compiler, run with no device
-# (tools/compile_proof.py, tests/test_compile_proof.py), proves every variant the launcher below can produce for
-# sm_80, sm_90 and sm_100: no spill, at most _MAX_REGISTERS registers a thread, so at least 4 programs (16 warps)
-# reside on an SM to keep loads in flight. (A 4096-pair tile, sized in the interpreter, spilled in every variant.)
+# Sized for the GPU: a program holds _PAIRS pairs of a head at a time (its tokens x the row's rotary pairs, a power
+# of two: the cos/sin tile kept for every head) with _WARPS warps, and loops over the heads. tools/compile_proof.py
+# proves every variant the launcher can produce for sm_80/90/100: no spill, at most _MAX_REGISTERS registers a
+# thread, so at least 4 programs (16 warps) reside on an SM to keep loads in flight.
 _PAIRS = 512
 # read once, as Triton reads it when it decorates the kernels below
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -44,8 +39,7 @@ _NVIDIA = torch.version.hip is None  # maxnreg is an NVIDIA option
 # arithmetic of a row does not depend on how rows are grouped; the tests also run the GPU tile interpreted)
 _INTERPRETER_PAIRS = 4096
 
-#: kernel launches since import (tests count them: one per apply_rope call, one per backward); the first-use
-#: proofs' own launches are counted apart
+#: kernel launches since import (one per apply_rope call, one per backward), the first-use proofs' counted apart
 launches = 0
 proof_launches = 0
 
@@ -256,9 +250,8 @@ def _plan(q, k, qo, ko, cos, sin, layout, seq_dim, inverse):
 
 
 def launch_context(device):
-    """Where a launch for tensors on ``device`` goes: that device made current, so Triton launches on it and on its
-    current stream (a layer on ``cuda:1`` under ``device_map="auto"`` or a pipeline stage, while ``cuda:0`` is
-    current, would otherwise launch on cuda:0's stream with cuda:1's pointers). Pure: builds the context only."""
+    """``device`` made current, so Triton launches on it and its current stream (a layer on ``cuda:1`` under
+    ``device_map="auto"`` while ``cuda:0`` is current would launch on cuda:0's stream with cuda:1's pointers)."""
     import contextlib
 
     device = torch.device(device)
@@ -268,13 +261,10 @@ def launch_context(device):
 
 
 def _launch(q, k, qo, ko, cos, sin, layout, seq_dim, inverse, plans=None):
-    """One launch over q's rows and k's (k=None: q's only), on q's device and that device's current stream.
-
-    ``plans``: a dict kept by the caller for calls whose q, k (shapes and strides), cos, sin and layout are the
-    same (a step's rotation, every layer): the plan is made by the first call and reused for outputs of the same
-    strides, with only the tensors swapped in."""
+    """One launch over q's rows and k's (k=None: q's only), on q's device and its current stream. ``plans``: the
+    caller's dict for calls of the same q, k layout, cos, sin and layout (a step's rotation, every layer): the first
+    call's plan, reused with the tensors swapped in (keyed by device too: device_map="auto")."""
     global launches
-    # q's device too: a layer on another device (device_map="auto") gets its own plan, checked by _plan
     key = (q.device, qo.stride(), ko.stride(), inverse) if plans is not None else None
     kept = plans.get(key) if plans is not None else None
     if kept is None:

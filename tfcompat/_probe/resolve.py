@@ -172,25 +172,6 @@ def _resolve_rope_init(fam, capability):
                       (module.name, fam.rotary))
 
 
-#: rope_types()'s answer, kept in a global, not an ``lru_cache``: apply_rope(config=...) reads it inside regions
-#: torch.compile traces (dynamo traces through a cache wrapper and warns that it ignores it)
-_ROPE_TYPES = None
-
-
-def rope_types():
-    """"default" and every rope type the release's ROPE_INIT_FUNCTIONS can build (read when a config is, never
-    by ``report``)."""
-    global _ROPE_TYPES
-    if _ROPE_TYPES is None:
-        try:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-        except ImportError:  # a release without the table builds the default rope only
-            _ROPE_TYPES = ("default",)
-        else:
-            _ROPE_TYPES = tuple(dict.fromkeys(("default", *sorted(ROPE_INIT_FUNCTIONS))))
-    return _ROPE_TYPES
-
-
 def _resolve_attention(fam, capability):
     module = _modeling(fam, capability)
     forward = _method(module, fam.attention, "forward", capability)
@@ -218,8 +199,7 @@ def _resolve_attention(fam, capability):
 
 
 #: an attention forward that looks its attention function up in upstream's registry by the config's key and hands
-#: it its own ``**kwargs`` (what ``AttentionInterface.register`` serves); read from the source: ``report`` imports
-#: nothing
+#: it its own ``**kwargs`` (what ``AttentionInterface.register`` serves); read from the source
 _LOOKS_UP = re.compile(r"ALL_ATTENTION_FUNCTIONS")
 _HANDS_KWARGS = re.compile(r"attention_interface\((?:[^()]|\([^()]*\))*\*\*kwargs\s*,?\s*\)")
 
@@ -274,7 +254,7 @@ def splits_video_frames(body):
 
 
 def _resolve_window(fam, capability):
-    """Named probe: the windowed layers are decided per model at patch() time (``_window``)."""
+    """Named probe: the windowed layers are decided per model at patch() time (:mod:`.window`)."""
     _modeling(fam, capability)
     text = _read(fam.configuration)
     has = text is None or "sliding_window" in text
@@ -310,8 +290,6 @@ def clear_cache():
         _version.transformers_version.cache_clear()
         _module.cache_clear()
         _root.cache_clear()
-        global _ROPE_TYPES
-        _ROPE_TYPES = None
 
 
 def kinds(family):
@@ -339,9 +317,8 @@ def resolve(kind, family):
             return hit
         if kind not in _RESOLVERS:
             raise TfcompatError(f"unknown capability kind {kind!r}; known: {', '.join(sorted(_RESOLVERS))}")
-        # a composite that runs another family's text decoder (GLM-4.6V: GLM-4V's) is resolved in that
-        # family's modeling module, under its own name
-        # (rope_index belongs to the composite itself)
+        # a composite running another family's text decoder (GLM-4.6V: GLM-4V's) is resolved in that family's
+        # modeling module, under its own name (rope_index belongs to the composite itself)
         decoder = FAMILIES[fam.text_family] if fam.text_family and kind != "rope_index" else fam
         result = _RESOLVERS[kind](decoder, capability)
         _cache[capability] = result
@@ -356,7 +333,7 @@ def installed_families():
 
 def report(families=None):
     """Resolve every capability for ``families`` (default: all installed) and return the records (the
-    environment's kernel choices come first in :func:`tfcompat.report`, from ``_backends``).
+    environment's kernel choices come first in :func:`tfcompat.report`, from :mod:`.backends`).
 
     Capabilities that cannot be resolved are reported as a Resolution with impl
     ``"unsupported"`` and the error text as reason, so one gap does not hide the rest.

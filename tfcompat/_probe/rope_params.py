@@ -62,6 +62,25 @@ class FrozenDict(dict):
         return hash(tuple(sorted(self.items(), key=repr)))
 
 
+#: rope_types()'s answer (the installed release's table), kept in a global, not an ``lru_cache``: apply_rope(
+#: config=...) reads it inside regions torch.compile traces (dynamo traces through a cache wrapper and warns)
+_ROPE_TYPES: tuple = ()
+
+
+def rope_types():
+    """"default" and every rope type the release's ROPE_INIT_FUNCTIONS can build (read when a config is, never
+    by ``report``)."""
+    global _ROPE_TYPES
+    if not _ROPE_TYPES:
+        try:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        except ImportError:  # a release without the table builds the default rope only
+            _ROPE_TYPES = ("default",)
+        else:
+            _ROPE_TYPES = tuple(dict.fromkeys(("default", *sorted(ROPE_INIT_FUNCTIONS))))
+    return _ROPE_TYPES
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeParameters:
     """The RoPE settings a family's text rotary module uses.
@@ -127,10 +146,10 @@ def _rope_type(raw, key, what, resolution):
     rope_type = raw.get("rope_type", raw.get("type", "default")) or "default"
     if rope_type == "mrope":  # Qwen2-VL configs spell the default type "mrope"
         rope_type = "default"
-    if rope_type not in _resolve.rope_types():
+    if rope_type not in rope_types():
         raise ConfigError(
             f"{what}: rope_type {rope_type!r} in {key}; the rotary module of "
-            f"transformers {resolution.transformers} builds {list(_resolve.rope_types())} and raises on it; set the "
+            f"transformers {resolution.transformers} builds {list(rope_types())} and raises on it; set the "
             f"rope_type the checkpoint was trained with (a dict shared with the vision config picks up its "
             f"'axial' type: give each sub-config its own dict)"
         )

@@ -2,7 +2,7 @@
 ``seq_idx``, :func:`tfcompat.packing.packed`), else the text row of the position ids; validated against the
 mask, the positions and (VL) the image/video placeholders; and the equal-shard check of a Ulysses step.
 
-The patched forwards (``_patch``) call these; the per-layer code reads the resulting :class:`Step`.
+The patched forwards (:mod:`.top`, :mod:`.text`) call these; the per-layer code reads the resulting :class:`Step`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import dataclasses
 from .._probe import families as _families
 from ..errors import PackingError, UlyssesError
 from .scope import first, packed_boundaries
+from .starts import padded_starts, starts_of
 
 # what transformers' DataCollatorWithFlattening can emit beside position ids: consumed by the patched text model
 # (validated once per step, turned into the step's boundaries), never forwarded where upstream misreads them
@@ -42,35 +43,6 @@ def make_step(cu, total, max_len=None, what="boundaries", max_len_k=None, tail=F
     import torch
 
     return Step(cu.to(torch.int32), bounds, longest, total)
-
-
-def starts_of(ids, valid, what):
-    """Python list of sequence starts in one row of text positions (transformers' rule: a sequence begins
-    where the position is 0). Positions that go down without restarting at 0 are refused."""
-
-    from .._kernels.cu import restarts
-
-    t = ids[valid] if valid is not None else ids
-    if t.numel() == 0:
-        return [0]
-    starts, i = restarts(t)
-    if i is not None:
-        raise PackingError(
-            f"tfcompat: {what} go down from {int(t[i - 1])} to {int(t[i])} at token {i} without restarting at 0; "
-            f"a packed sequence must start at position 0 (pass cu_seq_lens_q, tfcompat.packing.packed(cu), or "
-            f"4-row ids from tfcompat.packing.pack)"
-        )
-    return starts
-
-
-def padded_starts(row, valid):
-    """Where the real tokens of a row with padding restart at 0 (``[0]``: never after the first). Positions may go
-    down under padding (generate()'s masked token in assisted decoding: ``[0 .. n-2, 0, 1]`` under ``[1 .. 1, 0,
-    1]``): upstream runs such a row; only a restart of the real tokens at 0 marks a packed row."""
-    import torch
-
-    t = row[valid]
-    return [0] + (torch.nonzero(t[1:] == 0).flatten() + 1).tolist() if t.numel() else [0]
 
 
 def mask_valid(mask, n):

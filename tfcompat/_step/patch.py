@@ -29,7 +29,7 @@ Boundaries, explicit first: ``cu_seq_lens_q`` (+ ``max_length_q``) keyword argum
 transformers' flattening collator produces), :func:`tfcompat.packing.packed`, the text row of
 4-row position ids, 2-D text ids where a sequence starts at position 0 (transformers' own
 rule). An mRoPE temporal row is never read as boundaries. Each source is validated once per
-step (``_boundaries``); the per-layer code does no host sync.
+step (:mod:`.boundaries`); the per-layer code does no host sync.
 
 Fail closed: a packed row (or any Ulysses step) either runs the patched path or raises a
 :class:`~tfcompat.errors.TfcompatError`; nothing that could be packed is handed to upstream.
@@ -82,7 +82,7 @@ class PatchRecord:
     ulysses_world_size: int
     resolutions: tuple
     #: each patched attention layer's sliding window (None: every key), as upstream decides it for this model
-    #: (tfcompat._window: probed per layer), and how it was decided
+    #: (:mod:`tfcompat._probe.window`), and how it was decided
     windows: tuple = ()
     windows_how: str = ""
     #: ranks of the context-parallel group (1: none)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from ..errors import PackingError, UlyssesError
 from . import boundaries as _boundaries
+from . import labels as _labels
 from . import scope as _carrier
 from . import shards as _shards
-from . import traced as _traced
 from .install import (
     _ATTR,
     _CACHE_NAMES,
@@ -29,80 +29,16 @@ def top_forward(self, *args, **kwargs):
     forwards pass ``**kwargs`` to the vision tower as well, whose flash attention names its own
     ``cu_seq_lens_q`` (the text row's would collide there)."""
     state = getattr(self, _ATTR)
-    _refuse_whole_row_labels(state, kwargs)
-    _packed_labels(state, kwargs)
+    _labels.refuse_whole_row_labels(state, kwargs)
+    _labels.packed_labels(state, kwargs)
     return _with_explicit(lambda *a, **k: _original(self, state, *a, **k), args, kwargs)
 
 
 def vl_top_forward(self, *args, **kwargs):
     """Both: the model patch() was given also owns the vision tower (4.51 ForConditionalGeneration)."""
-    _refuse_whole_row_labels(getattr(self, _ATTR), kwargs)
-    _packed_labels(getattr(self, _ATTR), kwargs)
+    _labels.refuse_whole_row_labels(getattr(self, _ATTR), kwargs)
+    _labels.packed_labels(getattr(self, _ATTR), kwargs)
     return _with_explicit(lambda *a, **k: vl_forward(self, *a, **k), args, kwargs)
-
-
-def _packed_labels(state, kwargs):
-    """``labels`` of a packed row: upstream's shift makes each sequence's last token predict the next sequence's
-    first, a target the padded batch does not have. Those targets are dropped (-100, out of place), as
-    DataCollatorWithFlattening does; with ``num_items_in_batch`` (the Trainer's count of targets, taken from
-    the same labels) the count would include them too: refused. One host sync per step with labels."""
-    import torch
-
-    labels = kwargs.get("labels")
-    if not isinstance(labels, torch.Tensor) or labels.dim() != 2 or labels.shape[0] != 1 or state.split():
-        return
-    if torch.compiler.is_compiling():  # traced: the same rule by tensor ops, the refusal a device-side assertion
-        at = _traced.traced_label_starts(kwargs, labels.shape[1])
-        if at is None:
-            return
-        at = at.to(labels.device)
-        if kwargs.get("num_items_in_batch") is not None:
-            _traced._assert(~(at & (labels != -100)).any(), (
-                f"{state.family}: packed labels hold targets at sequence starts that num_items_in_batch counted; "
-                f"set them to -100 before counting (DataCollatorWithFlattening does)"))
-        kwargs["labels"] = labels.masked_fill(at, -100)
-        return
-    starts = label_starts(kwargs, labels.shape[1])
-    if not starts:
-        return
-    index = torch.tensor(starts, dtype=torch.long, device=labels.device)
-    crossing = labels.index_select(1, index) != -100
-    if not bool(crossing.any()):
-        return
-    if kwargs.get("num_items_in_batch") is not None:
-        raise PackingError(
-            f"tfcompat {state.family}: labels of a packed row hold targets at sequence starts "
-            f"{[s for s, c in zip(starts, crossing[0].tolist()) if c]}: upstream's shift would make each "
-            f"sequence's last token predict the next sequence's first, and num_items_in_batch counted those "
-            f"targets; set labels to -100 at every sequence start before counting (DataCollatorWithFlattening "
-            f"does), or pass no num_items_in_batch (tfcompat then drops those targets)")
-    kwargs["labels"] = labels.index_fill(1, index, -100)
-
-
-def _refuse_whole_row_labels(state, kwargs):
-    """Labels under a sequence-parallel split. A share (every rank its part of a packed row): upstream's loss
-    shifts them inside the share, so the target of the share's last token (the next share's first label) is lost
-    and the mean runs over the share: refused unless the caller passes ``shift_labels`` (targets shifted over the
-    whole row, then sliced). A decoding call (generate: each rank its own prompts) is not a share."""
-    if kwargs.get("labels") is None or not state.split():
-        return
-    if not state.slice_inputs:
-        decoding = any(kwargs.get(n) is not None for n in _CACHE_NAMES)
-        if kwargs.get("shift_labels") is None and not decoding:
-            raise UlyssesError(
-                f"tfcompat {state.family}: labels of a sequence-parallel share: upstream's loss shifts them inside "
-                f"this rank's share, so the share's last token loses its target (the next share's first label) and "
-                f"the loss is this share's mean, not the row's. Pass shift_labels as well: the whole row's labels "
-                f"shifted (labels[..., 1:], then -100) and sliced like the inputs (tfcompat.ulysses.slice_for_rank), "
-                f"with num_items_in_batch the row's count of targets, so the ranks' losses sum to the row's; or "
-                f"call without labels and compute the loss from the logits; or train with "
-                f"tfcompat.trainer.SequenceParallelMixin, which does this for transformers.Trainer and TRL")
-        return
-    raise UlyssesError(
-        f"tfcompat {state.family}: labels with slice_inputs=True: the model returns this rank's slice of the "
-        f"logits, which upstream's loss cannot pair with the whole row's labels; call without labels and "
-        f"compute the loss on the gathered logits (tfcompat.ulysses.gather_from_ranks), or on this rank's "
-        f"slice of the shifted labels (tfcompat.ulysses.slice_for_rank)")
 
 
 def _traced_tower_zero(owner, state, vision, audio):
@@ -185,10 +121,17 @@ def vl_forward(self, *args, **kwargs):
 
         a["mm_token_type_ids"] = mm_token_type_ids(self.config, a["input_ids"])
         args, kwargs = (), a
+    return _with_unfed_towers(self, state, a, args, kwargs, pixels)
+
+
+def _with_unfed_towers(self, state, a, args, kwargs, pixels):
+    """Upstream's call, with every tower this batch does not feed run on a dummy input and tied to the embeddings by
+    a zero (an omni thinker's audio tower on a batch with images too): DDP/FSDP need the same parameters to get
+    gradients on every rank. Only in training with ``dummy_visual``."""
+    import torch
+
     from .dummy import dummy_audio_zero, dummy_visual_zero, has_audio_tower, tie_zero
 
-    # every tower this batch does not feed runs on a dummy input (an omni thinker's audio tower on a batch
-    # with images too): DDP/FSDP need the same parameters to get gradients on every rank
     audio = has_audio_tower(self) and a.get("input_features") is None
     if (pixels and not audio) or not state.dummy_visual or not (self.training and torch.is_grad_enabled()):
         return _original(self, state, *args, **kwargs)
@@ -260,22 +203,6 @@ def _vl_shard(self, state, a, pixels):
 
 
 # --------------------------------------------------------------- checks of the top call's inputs
-def label_starts(kwargs, n):
-    """Sequence starts after the first (Python ints) of a packed row of ``n`` tokens, as the top-level call names
-    them (the flattening collator's boundaries, tfcompat.packing.packed, or the text row of the positions); []
-    for a row that is not packed or whose boundaries the text model will refuse."""
-    import torch
-
-    cu = _boundaries.explicit_cu(kwargs)
-    if isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.numel() >= 2:
-        return [int(x) for x in cu.tolist()[1:-1] if 0 < int(x) < n]
-    text = _boundaries.text_row(kwargs.get("position_ids"))
-    if text is None or text.shape != (1, n) or _boundaries.mask_valid(kwargs.get("attention_mask"), n) is not None:
-        return []
-    t = text[0]
-    return (torch.nonzero(t[1:] == 0).flatten() + 1).tolist()
-
-
 def check_vision_in_packed_row(owner, family, a, explicit):
     """A packed row with images or videos (one host sync per step): its sequence starts must not fall inside
     a run of placeholder tokens, and 2-D (text) position ids would give the vision tokens text positions."""

@@ -5,43 +5,9 @@ a device-side assertion naming tfcompat's check (no host read inside a compiled 
 from __future__ import annotations
 
 from ..errors import PackingError, UlyssesError
-from .boundaries import Step, check_explicit_types, cu_from_seq_idx, explicit_cu, text_row
+from .boundaries import Step, check_explicit_types, cu_from_seq_idx, text_row
 from .scope import first, packed_boundaries
-
-
-def _assert(ok, what):
-    """A check of values inside a compiled region: no host read; a device-side assertion (raised at once on the
-    CPU, by the next synchronising call on a GPU) whose message names tfcompat's check."""
-    import torch
-
-    message = f"tfcompat (checked inside torch.compile): {what}"
-    if len(message) > ASSERT_MESSAGE_LIMIT:  # CUDA refuses the call itself: every compiled step would fail
-        raise AssertionError(f"tfcompat: a device-side check's message is {len(message)} characters, over CUDA's "
-                             f"{ASSERT_MESSAGE_LIMIT}: {message}")
-    torch._assert_async(ok, message)
-
-
-#: the longest message torch._assert_async takes on CUDA ("Message length must be smaller than 255", seen on an
-#: H200, torch 2.11: every fullgraph-compiled packed step failed); the CPU takes any length
-ASSERT_MESSAGE_LIMIT = 254
-
-
-def _traced_starts_of_positions(t, valid=None):
-    """Bool (n,): the tokens of one row of text positions that begin a sequence (the first token, and every real
-    token at position 0 after a real token), by tensor ops; positions of real tokens that go down without
-    restarting at 0 fail a device-side assertion."""
-    import torch
-
-    first = torch.arange(t.shape[0], device=t.device) == 0
-    if valid is None:
-        restart = (t == 0) & ~first
-        prev = torch.cat((t[:1], t[:-1]))
-        _assert(~((t < prev) & (t != 0)).any(),
-                "the position ids go down without restarting at 0; a packed sequence must start at position 0 "
-                "(pass cu_seq_lens_q, tfcompat.packing.packed(cu), or 4-row ids from tfcompat.packing.pack)")
-        return first | restart
-    seen = torch.cumsum(valid.to(torch.int64), 0) > 1  # a real token before this one
-    return first | ((t == 0) & valid & seen)
+from .starts import _assert, _traced_starts_of_positions
 
 
 def _traced_cu(explicit, batch, local):
@@ -93,7 +59,6 @@ def traced_step(state, group, explicit, position_ids, mask, batch, local, device
     * anything else (a padded batch, a mask, 3-row mRoPE ids): upstream's own path, with the eager path's
       refusal of rows that would hold several packed sequences as a device-side assertion (a packed row beside an
       attention_mask is refused under compile: pass it without the mask, as DataCollatorWithFlattening does)."""
-    import torch
 
     if group is not None:
         raise UlyssesError(
@@ -106,44 +71,61 @@ def traced_step(state, group, explicit, position_ids, mask, batch, local, device
     seq_idx = explicit.get("seq_idx")
     text = text_row(position_ids)
     if cu is not None or seq_idx is not None:
-        if batch != 1:
-            raise PackingError(f"tfcompat: {source or 'seq_idx'} describes one packed row, but the input has batch "
-                               f"{batch}; pack the batch into one row (tfcompat.packing.pack)")
-        if mask is not None and getattr(mask, "dim", lambda: 0)() == 2:
-            _assert(mask.bool().all(), f"{source or 'seq_idx'} marks a packed row, but attention_mask has padding "
-                                       f"in it; drop the padding (tfcompat.packing.pack does) or pass no mask")
-        idx = torch.arange(local, device=device)
-        if seq_idx is not None:
-            if seq_idx.dim() != 2 or tuple(seq_idx.shape) != (1, local) or seq_idx.dtype.is_floating_point:
-                cu_from_seq_idx(seq_idx, batch, local)  # its refusal, with the found shape
-            row = seq_idx[0].to(device=device, dtype=torch.int64)
-            d = row[1:] - row[:-1]
-            _assert((row[0] == 0) & ((d == 0) | (d == 1)).all(), "seq_idx must count sequences 0, 1, 2, ... in "
-                                                                 "order")
-            seq = row
-            if cu is not None:
-                from_cu = torch.searchsorted(cu[1:].to(device=device, dtype=torch.int64), idx, right=True)
-                _assert((from_cu == seq).all(), "seq_idx and cu_seq_lens_q mark different sequences; pass both "
-                                                "from the same collator")
-        else:
-            seq = torch.searchsorted(cu[1:].to(device=device, dtype=torch.int64), idx, right=True)
-        if text is not None and text.shape[0] == 1:
-            starts = torch.cat((torch.ones(1, dtype=torch.bool, device=device), seq[1:] != seq[:-1]))
-            _assert((starts == _traced_starts_of_positions(text[0].to(device))).all(),
-                    f"{source or 'seq_idx'} and the position ids put sequence starts at different tokens; pass "
-                    f"position ids counting from 0 in every sequence (DataCollatorWithFlattening's)")
-        elif position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 3 and \
-                position_ids.shape[1] == 1:
-            starts = torch.cat((torch.ones(1, dtype=torch.bool, device=device), seq[1:] != seq[:-1]))
-            zero = (position_ids[:, 0].to(device) == 0).all(dim=0)
-            _assert(~zero[0] | (zero == starts).all(),
-                    f"{source or 'seq_idx'} and the mRoPE position ids (restarting at (0, 0, 0)) put sequence "
-                    f"starts at different tokens; pass boundaries and position ids of the same packing")
-        cu32 = cu.to(device=device, dtype=torch.int32) if cu is not None else None
-        # the longest sequence as the call named it (an int, or the SymInt dynamo makes of it once it varies):
-        # what a GPU varlen kernel takes in the graph (forwards._attend_row)
-        named = max_len if isinstance(max_len, (int, torch.SymInt)) and not isinstance(max_len, bool) else None
-        return Step(cu32, None, named, local, seq=seq)
+        return _traced_named(cu, source or "seq_idx", max_len, seq_idx, text, position_ids, mask, batch, local, device)
+    return _traced_positions(state, text, position_ids, mask, batch, local, device, cached)
+
+
+def _traced_named(cu, name, max_len, seq_idx, text, position_ids, mask, batch, local, device):
+    """:func:`traced_step` where the call names the boundaries (``name``: cu_seq_lens_q/k, seq_idx or
+    tfcompat.packing.packed): the step, its agreement with the mask and the position ids asserted on the device
+    (the eager twin: :func:`.boundaries.find_step`)."""
+    import torch
+
+    if batch != 1:
+        raise PackingError(f"tfcompat: {name} describes one packed row, but the input has batch "
+                           f"{batch}; pack the batch into one row (tfcompat.packing.pack)")
+    if mask is not None and getattr(mask, "dim", lambda: 0)() == 2:
+        _assert(mask.bool().all(), f"{name} marks a packed row, but attention_mask has padding "
+                                   f"in it; drop the padding (tfcompat.packing.pack does) or pass no mask")
+    idx = torch.arange(local, device=device)
+    if seq_idx is not None:
+        if seq_idx.dim() != 2 or tuple(seq_idx.shape) != (1, local) or seq_idx.dtype.is_floating_point:
+            cu_from_seq_idx(seq_idx, batch, local)  # its refusal, with the found shape
+        row = seq_idx[0].to(device=device, dtype=torch.int64)
+        d = row[1:] - row[:-1]
+        _assert((row[0] == 0) & ((d == 0) | (d == 1)).all(), "seq_idx must count sequences 0, 1, 2, ... in "
+                                                             "order")
+        seq = row
+        if cu is not None:
+            from_cu = torch.searchsorted(cu[1:].to(device=device, dtype=torch.int64), idx, right=True)
+            _assert((from_cu == seq).all(), "seq_idx and cu_seq_lens_q mark different sequences; pass both "
+                                            "from the same collator")
+    else:
+        seq = torch.searchsorted(cu[1:].to(device=device, dtype=torch.int64), idx, right=True)
+    if text is not None and text.shape[0] == 1:
+        starts = torch.cat((torch.ones(1, dtype=torch.bool, device=device), seq[1:] != seq[:-1]))
+        _assert((starts == _traced_starts_of_positions(text[0].to(device))).all(),
+                f"{name} and the position ids put sequence starts at different tokens; pass "
+                f"position ids counting from 0 in every sequence (DataCollatorWithFlattening's)")
+    elif position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 3 and \
+            position_ids.shape[1] == 1:
+        starts = torch.cat((torch.ones(1, dtype=torch.bool, device=device), seq[1:] != seq[:-1]))
+        zero = (position_ids[:, 0].to(device) == 0).all(dim=0)
+        _assert(~zero[0] | (zero == starts).all(),
+                f"{name} and the mRoPE position ids (restarting at (0, 0, 0)) put sequence "
+                f"starts at different tokens; pass boundaries and position ids of the same packing")
+    cu32 = cu.to(device=device, dtype=torch.int32) if cu is not None else None
+    # the longest sequence as the call named it (an int, or the SymInt dynamo makes of it once it varies):
+    # what a GPU varlen kernel takes in the graph (forwards._attend_row)
+    named = max_len if isinstance(max_len, (int, torch.SymInt)) and not isinstance(max_len, bool) else None
+    return Step(cu32, None, named, local, seq=seq)
+
+
+def _traced_positions(state, text, position_ids, mask, batch, local, device, cached):
+    """:func:`traced_step` from the position ids alone: one row of text ids with no mask is a packed step; anything
+    else runs upstream's path, a row holding several sequences refused on the device."""
+    import torch
+
     if position_ids is None:
         return None
     if position_ids.dim() == 3 and position_ids.shape[0] == 3:
@@ -177,22 +159,3 @@ def traced_step(state, group, explicit, position_ids, mask, batch, local, device
                                      "batch of rows; compiled, pass a packed row alone, with no attention_mask "
                                      "(DataCollatorWithFlattening's), or cu_seq_lens_q")
     return None
-
-
-def traced_label_starts(kwargs, n):
-    """Bool (1, n) of the sequence starts after the first of a traced packed row (what :func:`label_starts`
-    lists eagerly), or None where the call names none."""
-    import torch
-
-    cu = explicit_cu(kwargs)
-    if isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.numel() >= 2:
-        idx = torch.arange(n, device=cu.device)
-        return ((idx[:, None] == cu[1:-1].to(torch.int64)[None, :]).any(-1) & (idx > 0))[None]
-    seq_idx = kwargs.get("seq_idx")
-    if isinstance(seq_idx, torch.Tensor) and seq_idx.dim() == 2 and tuple(seq_idx.shape) == (1, n):
-        return torch.cat((torch.zeros((1, 1), dtype=torch.bool, device=seq_idx.device),
-                          seq_idx[:, 1:] != seq_idx[:, :-1]), dim=1)
-    text = text_row(kwargs.get("position_ids"))
-    if text is None or tuple(text.shape) != (1, n) or kwargs.get("attention_mask") is not None:
-        return None
-    return _traced_starts_of_positions(text[0])[None] & (torch.arange(n, device=text.device) > 0)[None]

@@ -128,23 +128,21 @@ def _check_model(args):
     if isinstance(loaded, int):
         return loaded  # the file's RoPE settings drift on this release: said, exit 2
     fam, config, target, kept, changed, how = loaded
-    allowed = layouts(fam, config)
+    from . import layout_check
+
+    allowed = layout_check.layouts(fam, config)
     ulysses, context = args.ulysses or 1, args.context or 1
     if ulysses * context > 1:
-        from .layout_check import refusal
-
-        why = refusal(allowed, ulysses)
+        why = layout_check.refusal(allowed, ulysses)
         if why:
             return _check_fail(args, f"{path}: not Ulysses {ulysses} x context {context}: {why}")
-        why = rank_limit(ulysses, context, _machine())
+        why = layout_check.rank_limit(ulysses, context, layout_check.machine())
         if why:
             return _check_fail(args, f"{path}: {why}; the real heads allow this layout ({allowed['line']})")
     start = time.perf_counter()
     loading = start - began  # imports (transformers, the family's modules), reading and scaling: not the checks
     results = list(_checks.run_family(fam.name, tolerance=args.tolerance, **target))
     if ulysses * context > 1:
-        from . import layout_check
-
         results.append(layout_check.run(fam.name, target["config"], ulysses, context, args.tolerance))
     if "config" in target and any(r["error"] for r in results):
         try:  # checks that raised: where upstream itself cannot run the config, say that (exit 2), not "N failed"
@@ -165,28 +163,6 @@ def _check_model(args):
               "kept": {k: str(v) for k, v in kept.items()},
               "changed": {k: {"from": str(a), "to": str(b), "why": why} for k, (a, b, why) in changed.items()}}
     return _finish(args, results, start, fields, path)
-
-
-def layouts(fam, config):
-    """The sequence-parallel degrees the model's real head counts allow (what ``tfcompat.patch`` accepts):
-    Ulysses degrees divide the query heads (kv heads are repeated where the degree does not divide them);
-    context parallelism takes any degree; linear-attention layers take neither."""
-    from .._probe import resolve as _resolve
-    from .._probe.drift import text_config
-
-    text = text_config(config)
-    heads = int(text.num_attention_heads)
-    kv = int(getattr(text, "num_key_value_heads", None) or heads)
-    if _resolve.resolve("attention.signature", fam.name).plan.linear_attention:
-        why = "linear-attention (Gated DeltaNet) layers carry a recurrent state along the sequence"
-        return {"ulysses": [1], "kv_repeated": [], "context": False, "query_heads": heads, "kv_heads": kv,
-                "line": f"no sequence parallelism: {why} (tfcompat.patch refuses ulysses_group and context_group)"}
-    degrees = [d for d in range(1, heads + 1) if heads % d == 0]
-    repeated = [d for d in degrees if kv % d]
-    line = f"Ulysses degrees {', '.join(map(str, degrees))} ({heads} query heads"
-    line += f"; {kv} kv heads repeated for {', '.join(map(str, repeated))})" if repeated else f", {kv} kv heads)"
-    return {"ulysses": degrees, "kv_repeated": repeated, "context": True, "query_heads": heads, "kv_heads": kv,
-            "line": line + "; context parallel: any degree, also beside Ulysses"}
 
 
 def _load_model(args, path):
@@ -259,70 +235,14 @@ def _drift_exit(args, path, drifted):
     return 2
 
 
-#: what one spawned rank of the scaled model's layout check holds (torch, transformers, the tiny model, gloo):
-#: measured 0.31 GiB a rank at 64 ranks of Qwen3-0.6B on the 2-core, 24 GiB machine (20 GiB peak), with margin
-_RANK_GIB = 0.5
-#: spawned ranks per core past which the check's collectives crawl (64 ranks on 2 cores: 5 min 48 s idle)
-_RANKS_PER_CORE = 4
-
-
-def _machine():
-    """(cores, GiB of memory available): what the layout check's ranks share."""
-    import os
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        with open("/proc/meminfo") as fh:
-            info = {line.split(":")[0]: int(line.split()[1]) for line in fh if line.split()[1:2]}
-        gib = info.get("MemAvailable", info.get("MemTotal", 0)) / 2 ** 20
-    except (OSError, ValueError, IndexError):
-        gib = 8.0  # unknown: a small machine
-    return cores, gib
-
-
-def rank_limit(ulysses, context, machine):
-    """Why a layout of ``ulysses * context`` spawned ranks does not fit ``machine`` = (cores, GiB available)
-    ('' when it fits). Pure: the numbers decide, tested without spawning anything."""
-    cores, gib = machine
-    ranks = ulysses * context
-    fits = max(2, min(int(gib // _RANK_GIB), cores * _RANKS_PER_CORE))
-    if ranks <= fits:
-        return ""
-    hint = ""
-    for u in sorted({d for d in (ulysses, 4, 2, 1) if d <= min(ulysses, fits)}, reverse=True):
-        c = min(context, fits // u)
-        if u * c > 1:
-            hint = f"; the same code paths run in a smaller layout: --ulysses {u} --context {c}"
-            break
-    return (f"Ulysses {ulysses} x context {context} would start {ranks} processes, and this machine ({cores} "
-            f"cores, {gib:.1f} GiB available) holds at most {fits} (about {_RANK_GIB} GiB and 1/{_RANKS_PER_CORE} "
-            f"core each){hint}")
-
-
-def device_refusal(device):
-    """Why ``--device`` names no device tfcompat check runs on ('' when it names cpu or cuda[:N]): one line for
-    a string torch does not parse (``gpu``, ``CPU``, ``cuda:abc``) and for devices torch knows but the check does
-    not run on (mps, xpu, meta), in the plan and in the run alike."""
-    import torch
-
-    try:
-        kind = torch.device(device).type
-    except (RuntimeError, ValueError, TypeError):
-        kind = None
-    if kind in ("cpu", "cuda") and device == device.strip():
-        return ""
-    return (f"--device {device!r}: tfcompat check runs on cpu or cuda (cuda:N for one GPU of several); "
-            f"{'torch does not know this device string' if kind is None else kind + ' is not one of them'}")
-
-
 def _check_device(args):
-    """``check --device DEV [--dtype T] [--plan]``: the checks on the user's device (``_device_checks``)."""
+    """``check --device DEV [--dtype T] [--plan]``: the checks on the user's device (:mod:`.device_checks`)."""
     from .. import version
     from .._probe import resolve as _resolve
     from . import device_checks as _device_checks
 
     device = args.device or "cuda"
-    refused = device_refusal(device)
+    refused = _device_checks.refusal(device)
     if refused:
         return _check_fail(args, refused)
     dtype = args.dtype or ("fp32" if device == "cpu" else "bf16")

@@ -1,7 +1,7 @@
 """``tfcompat check --device DEV --dtype T``: every check of ``tfcompat check``, on the user's own device, with the
 kernels ``auto`` picks there, against upstream on the same device and against the fp32 CPU reference.
 
-The checks share their code with ``tfcompat check`` (``_checks``): inputs are drawn on the CPU with the same seeds
+The checks share their code with ``tfcompat check`` (:mod:`.checks`): inputs are drawn on the CPU with the same seeds
 and moved to the device. Per family: RoPE by the kernel ``auto`` runs there (forward and backward; out of place and
 in place) against upstream's own function on the device, and against upstream in fp32 on the CPU; packed ==
 padded logits and gradients on the device (fp32, exact to the whole-model tolerance). Once: the packed-attention
@@ -203,3 +203,19 @@ def speed(device, dtype, names, repeats=20):
             torch.cuda.synchronize(device)
         out.append((label, (time.perf_counter() - start) * 1e3 / repeats))
     return out
+
+
+def refusal(device):
+    """Why ``--device`` names no device tfcompat check runs on ('' when it names cpu or cuda[:N]): one line for
+    a string torch does not parse (``gpu``, ``CPU``, ``cuda:abc``) and for devices torch knows but the check does
+    not run on (mps, xpu, meta), in the plan and in the run alike."""
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError, TypeError):
+        kind = None
+    if kind in ("cpu", "cuda") and device == device.strip():
+        return ""
+    return (f"--device {device!r}: tfcompat check runs on cpu or cuda (cuda:N for one GPU of several); "
+            f"{'torch does not know this device string' if kind is None else kind + ' is not one of them'}")

@@ -11,9 +11,71 @@ import time
 from ..errors import ConfigError
 
 
+def layouts(fam, config):
+    """The sequence-parallel degrees the model's real head counts allow (what ``tfcompat.patch`` accepts):
+    Ulysses degrees divide the query heads (kv heads are repeated where the degree does not divide them);
+    context parallelism takes any degree; linear-attention layers take neither."""
+    from .._probe import resolve as _resolve
+    from .._probe.drift import text_config
+
+    text = text_config(config)
+    heads = int(text.num_attention_heads)
+    kv = int(getattr(text, "num_key_value_heads", None) or heads)
+    if _resolve.resolve("attention.signature", fam.name).plan.linear_attention:
+        why = "linear-attention (Gated DeltaNet) layers carry a recurrent state along the sequence"
+        return {"ulysses": [1], "kv_repeated": [], "context": False, "query_heads": heads, "kv_heads": kv,
+                "line": f"no sequence parallelism: {why} (tfcompat.patch refuses ulysses_group and context_group)"}
+    degrees = [d for d in range(1, heads + 1) if heads % d == 0]
+    repeated = [d for d in degrees if kv % d]
+    line = f"Ulysses degrees {', '.join(map(str, degrees))} ({heads} query heads"
+    line += f"; {kv} kv heads repeated for {', '.join(map(str, repeated))})" if repeated else f", {kv} kv heads)"
+    return {"ulysses": degrees, "kv_repeated": repeated, "context": True, "query_heads": heads, "kv_heads": kv,
+            "line": line + "; context parallel: any degree, also beside Ulysses"}
+
+
+#: what one spawned rank of the scaled model's layout check holds (torch, transformers, the tiny model, gloo):
+#: measured 0.31 GiB a rank at 64 ranks of Qwen3-0.6B on the 2-core, 24 GiB machine (20 GiB peak), with margin
+_RANK_GIB = 0.5
+#: spawned ranks per core past which the check's collectives crawl (64 ranks on 2 cores: 5 min 48 s idle)
+_RANKS_PER_CORE = 4
+
+
+def machine():
+    """(cores, GiB of memory available): what the layout check's ranks share."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open("/proc/meminfo") as fh:
+            info = {line.split(":")[0]: int(line.split()[1]) for line in fh if line.split()[1:2]}
+        gib = info.get("MemAvailable", info.get("MemTotal", 0)) / 2 ** 20
+    except (OSError, ValueError, IndexError):
+        gib = 8.0  # unknown: a small machine
+    return cores, gib
+
+
+def rank_limit(ulysses, context, machine):
+    """Why a layout of ``ulysses * context`` spawned ranks does not fit ``machine`` = (cores, GiB available)
+    ('' when it fits). Pure: the numbers decide, tested without spawning anything."""
+    cores, gib = machine
+    ranks = ulysses * context
+    fits = max(2, min(int(gib // _RANK_GIB), cores * _RANKS_PER_CORE))
+    if ranks <= fits:
+        return ""
+    hint = ""
+    for u in sorted({d for d in (ulysses, 4, 2, 1) if d <= min(ulysses, fits)}, reverse=True):
+        c = min(context, fits // u)
+        if u * c > 1:
+            hint = f"; the same code paths run in a smaller layout: --ulysses {u} --context {c}"
+            break
+    return (f"Ulysses {ulysses} x context {context} would start {ranks} processes, and this machine ({cores} "
+            f"cores, {gib:.1f} GiB available) holds at most {fits} (about {_RANK_GIB} GiB and 1/{_RANKS_PER_CORE} "
+            f"core each){hint}")
+
+
 def refusal(allowed, ulysses):
     """Why the real model cannot run Ulysses over ``ulysses`` ranks beside context parallelism (None: it can): the
-    facts ``tfcompat.patch`` refuses on (``allowed``: :func:`.check_cmd.layouts`)."""
+    facts ``tfcompat.patch`` refuses on (``allowed``: :func:`layouts`)."""
     if not allowed["context"]:
         return allowed["line"]
     if ulysses not in allowed["ulysses"]:
