@@ -17,6 +17,10 @@ from tfcompat._step.starts import (  # private: the eager readings
 )
 from tfcompat.errors import PackingError
 
+from _helpers import ONCE
+
+pytestmark = ONCE  # tfcompat's own tensor logic, no release moves it (per release: test_training's labels)
+
 ROWS = [torch.tensor(r) for n in range(1, 6) for r in itertools.product(range(4), repeat=n)]
 
 
