@@ -62,23 +62,20 @@ class FrozenDict(dict):
         return hash(tuple(sorted(self.items(), key=repr)))
 
 
-#: rope_types()'s answer (the installed release's table), kept in a global, not an ``lru_cache``: apply_rope(
-#: config=...) reads it inside regions torch.compile traces (dynamo traces through a cache wrapper and warns)
-_ROPE_TYPES: tuple = ()
-
-
 def rope_types():
     """"default" and every rope type the release's ROPE_INIT_FUNCTIONS can build (read when a config is, never
-    by ``report``)."""
-    global _ROPE_TYPES
-    if not _ROPE_TYPES:
+    by ``report``). Kept among the resolutions (``resolve.clear_cache`` forgets it with them), not in an
+    ``lru_cache``: apply_rope(config=...) reads it inside regions torch.compile traces."""
+    types = _resolve._cache.get("rope_types")
+    if types is None:
         try:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
         except ImportError:  # a release without the table builds the default rope only
-            _ROPE_TYPES = ("default",)
+            types = ("default",)
         else:
-            _ROPE_TYPES = tuple(dict.fromkeys(("default", *sorted(ROPE_INIT_FUNCTIONS))))
-    return _ROPE_TYPES
+            types = tuple(dict.fromkeys(("default", *sorted(ROPE_INIT_FUNCTIONS))))
+        _resolve._cache["rope_types"] = types
+    return types
 
 
 @dataclasses.dataclass(frozen=True)
