@@ -278,9 +278,28 @@ def test_bad_input_gets_a_clear_error(label, fn, message):
 
 # --------------------------------------------------------------------------- property-based
 SETTINGS = dict(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-# the property tests and their report share one xdist worker (--dist loadgroup keeps a group together, in order):
-# OUTCOMES is per process, so a report on another worker read an empty counter (CI, tf451-torch27)
-ONE_WORKER = pytest.mark.xdist_group("fuzz")
+
+
+def _run(prop, *args):
+    """Run one property over all its examples and return the outcome classes this run produced.
+
+    Each test counts its own run (OUTCOMES is per process: a report test on its own read an empty counter when
+    xdist ran it in another worker, CI tf453 and tf451-torch27), prints the classes and asserts on them.
+    """
+    before = OUTCOMES.copy()
+    prop(*args)
+    got = OUTCOMES - before
+    print(f"\n{prop.__name__} outcomes (kind/fault class, outcome): count")
+    for key, count in sorted(got.items()):
+        print(f"  {key}: {count}")
+    return got
+
+
+def _assert_ran(got, kind, faults=True):
+    """The clean examples equalled the oracle; where faults are drawn, some gave the clear error."""
+    assert got[(f"{kind}/clean", "equals oracle")] > 0, (kind, dict(got))
+    if faults:
+        assert any(out == "clear error" for _, out in got), (kind, dict(got))
 
 
 def _outcome(kind, fn, oracle=None, check=None):
@@ -298,12 +317,11 @@ def _outcome(kind, fn, oracle=None, check=None):
 FAULT = st.sampled_from([None] * 6 + ["batch", "seq", "dtype", "trim", "cos_dtype"])
 
 
-@ONE_WORKER
 @settings(**SETTINGS)
 @given(name=st.sampled_from(FAMILIES), qb=st.integers(1, 3), cb1=st.booleans(), seq=st.integers(1, 12),
        heads=st.integers(1, 4), layout=st.sampled_from([1, 2]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        inplace=st.booleans(), fault=FAULT, impl=st.sampled_from(rope_impls()))
-def test_fuzz_apply_rope(name, qb, cb1, seq, heads, layout, dtype, inplace, fault, impl):
+def _fuzz_apply_rope(name, qb, cb1, seq, heads, layout, dtype, inplace, fault, impl):
     g = torch.Generator().manual_seed(seq * 7 + qb)
     rot, config = rotary(name)
     d = rope_parameters(config).head_dim - (2 if fault == "trim" else 0)
@@ -343,11 +361,10 @@ def _ref_attention(q, k, v, bounds):
     return torch.cat(outs)
 
 
-@ONE_WORKER
 @settings(**SETTINGS)
 @given(lengths=st.lists(st.integers(1, 6), min_size=1, max_size=4), heads=st.sampled_from([1, 2, 4]),
        kv=st.sampled_from([1, 2]), fault=st.sampled_from([None] * 5 + ["jitter", "klen", "empty", "heads"]))
-def test_fuzz_varlen_attention(lengths, heads, kv, fault):
+def _fuzz_varlen_attention(lengths, heads, kv, fault):
     if fault == "empty":
         lengths = lengths + [0]
     total = sum(lengths)
@@ -371,11 +388,10 @@ def test_fuzz_varlen_attention(lengths, heads, kv, fault):
              lambda: _ref_attention(q, k, v, bounds), check)
 
 
-@ONE_WORKER
 @settings(**SETTINGS)
 @given(rows=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3), st.booleans()), min_size=1, max_size=4),
        hole=st.booleans(), shift=st.integers(0, 1))
-def test_fuzz_pack_unpack(rows, hole, shift):
+def _fuzz_pack_unpack(rows, hole, shift):
     width = max(n + p for n, p, _ in rows) or 1
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -406,6 +422,19 @@ def test_fuzz_pack_unpack(rows, hole, shift):
     _outcome("pack/unpack", ours, oracle, check)
 
 
+def test_fuzz_apply_rope():
+    _assert_ran(_run(_fuzz_apply_rope), "apply_rope")
+
+
+def test_fuzz_varlen_attention():
+    _assert_ran(_run(_fuzz_varlen_attention), "varlen_attention")
+
+
+def test_fuzz_pack_unpack():
+    got = _run(_fuzz_pack_unpack)
+    assert got[("pack/unpack", "equals oracle")] > 0, dict(got)
+
+
 @pytest.fixture(scope="module")
 def models():
     out = {}
@@ -417,10 +446,9 @@ def models():
     return out
 
 
-@ONE_WORKER
 @settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
-def test_fuzz_packed_model_calls(models, data):
+def _fuzz_packed_model_calls(models, data):
     """Random packings, boundary sources and flags: equals the padded oracle, or a TfcompatError."""
     name = data.draw(st.sampled_from(sorted(models)))
     plain, patched = models[name]
@@ -484,10 +512,5 @@ def test_fuzz_packed_model_calls(models, data):
     _outcome(f"packed model call/{fault or 'clean'}", ours, oracle, check)
 
 
-@ONE_WORKER
-def test_zz_fuzz_outcomes_are_reported():
-    """Print the outcome classes of the property-based runs (the closing note quotes them)."""
-    print("\nfuzz outcomes (kind/fault class, outcome): count")
-    for key, count in sorted(OUTCOMES.items()):
-        print(f"  {key}: {count}")
-    assert OUTCOMES, "the property-based tests did not run"
+def test_fuzz_packed_model_calls(models):
+    _assert_ran(_run(_fuzz_packed_model_calls, models), "packed model call")
