@@ -52,6 +52,50 @@ def test_the_carrier_is_what_the_installed_attention_does(name):
     assert record.family == name
 
 
+def _kwargs_reach(model, text_cls_name):
+    """Independently of the probe: do the installed text model's kwargs reach its mixers (its forward hands
+    ``**kwargs`` to each decoder layer it holds, whose forward hands ``**kwargs`` to ``self.self_attn`` and to
+    ``self.linear_attn`` where it calls one)? Read from
+    the imported classes of the model's own modules."""
+    text = next(m for m in model.modules() if type(m).__name__ == text_cls_name)
+    layer = text.layers[0]
+    text_src = inspect.getsource(type(text).forward)
+    layer_src = inspect.getsource(type(layer).forward)
+    linear = "self.linear_attn(" not in layer_src or \
+        bool(re.search(r"self\.linear_attn\([^)]*\*\*kwargs", layer_src, re.S))
+    return bool(re.search(r"decoder_layer(\.__call__)?[,(][^)]*?\*\*(kwargs|flash_attn_kwargs)", text_src, re.S)) and \
+        bool(re.search(r"self\.self_attn\([^)]*\*\*kwargs", layer_src, re.S)) and linear
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_the_step_rides_the_layers_kwargs_where_they_reach_the_attention(name):
+    """Where upstream's text model hands its kwargs down to the attention (and no linear mixer shares the layers),
+    the step rides there, as transformers' own ``cu_seq_lens_q`` does: the rotary module and the decoder layers keep
+    upstream's forwards (not patched). Under transformers' gradient checkpointing (which replays the layers' kwargs)
+    the patched packed row equals transformers' own model on the padded batch, logits and gradients."""
+    from tfcompat._step.install import _ATTR
+
+    carrier = _resolve.resolve("attention.carrier", name)
+    plan = _resolve.resolve("attention.signature", name).plan
+    model = tiny_model(name).train()
+    kinds = lambda: {getattr(m, _ATTR).kind for m in model.modules() if getattr(m, _ATTR, None) is not None}  # noqa
+    reach = carrier.impl == "interface" and _kwargs_reach(model, plan.text_model)
+    assert (carrier.plan is not None and carrier.plan.kwargs_reach) == reach, (name, carrier)
+    ids, mask, pk = _batch(model.config.get_text_config().vocab_size)
+    want = model(input_ids=ids, attention_mask=mask).logits
+    want_grads = torch.autograd.grad(want[mask.bool()].square().sum(), list(model.parameters()), allow_unused=True)
+    tfcompat.patch(model)
+    rides = reach
+    assert ("layer" not in kinds() and "rotary" not in kinds()) == rides, (name, kinds())
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    got = unpack(model(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False).logits, pk)
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=2e-5)
+    got_grads = torch.autograd.grad(got[mask.bool()].square().sum(), list(model.parameters()), allow_unused=True)
+    for p, g, w in zip(model.parameters(), got_grads, want_grads):
+        zero = torch.zeros_like(p)  # the vision weights of a text-only VL step: zero (dummy_visual), upstream None
+        torch.testing.assert_close(zero if g is None else g, zero if w is None else w, atol=1e-4, rtol=1e-4)
+
+
 def test_the_boundary_families_route_through_the_interface_on_5x():
     if not V5:
         # 4.51-4.52: Qwen2-VL / Qwen2.5-VL keep per-implementation attention classes (the bundled forward serves them)
@@ -199,3 +243,36 @@ def test_a_chosen_rotation_keeps_the_bundled_forward(name, monkeypatch):
     _move(model, name, "gate")
     with pytest.raises(ModelError, match="TFCOMPAT_ROPE_IMPL=native|overrides"):
         tfcompat.patch(model)
+
+
+@pytest.mark.parametrize("name", [n for n in ("qwen2", "qwen2_5_vl", "qwen3_5", "qwen2_moe") if n in SERVED])
+def test_fsdp2_mixed_precision_input_cast(name):
+    """FSDP2's ``MixedPrecisionPolicy`` (``cast_forward_inputs``, its default) rebuilds every sharded layer's arguments
+    with torch's own ``_apply_to_tensors`` (a tuple as ``type(x)(...)``, a dataclass by ``dataclasses.replace``),
+    here as a pre-hook on each decoder layer, casting to the weights' own dtype. Where the step rides the layers'
+    kwargs the packed row equals transformers' own model on the padded batch; on the rotary-output route the rebuilt
+    tuple has lost the step: a TfcompatError that names the cast (was a raw AttributeError)."""
+    import functools
+
+    from torch.distributed.utils import _apply_to_tensors
+
+    from tfcompat._step.install import _ATTR
+
+    model = tiny_model(name)
+    ids, mask, pk = _batch(model.config.get_text_config().vocab_size)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+    tfcompat.patch(model)
+    cast = functools.partial(lambda dtype, t: t.to(dtype) if torch.is_floating_point(t) else t, torch.float32)
+    text = next(m for m in model.modules() if getattr(m, _ATTR, None) is not None and getattr(m, _ATTR).kind == "text")
+    for layer in text.layers:
+        layer.register_forward_pre_hook(lambda m, a, k: (_apply_to_tensors(cast, a), _apply_to_tensors(cast, k)),
+                                        with_kwargs=True)
+    call = dict(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False)
+    if not getattr(text, _ATTR).rides:
+        with pytest.raises(TfcompatError, match="MixedPrecisionPolicy"):
+            model(**call)
+        return
+    with torch.no_grad():
+        got = unpack(model(**call).logits, pk)
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=2e-5)

@@ -201,27 +201,39 @@ def test_boundaries_from_the_packed_context_and_kwargs():
     close_to_model(got, want, "context")
 
 
-@pytest.mark.parametrize("name,lost", [("qwen2", "position embeddings"), ("qwen3_5", "attention mask")])
-def test_a_mixer_whose_call_lost_the_step_is_refused(name, lost):
-    """The step reaches each mixer only in its own call's arguments (the position embeddings; the linear
-    mixers' mask): a pre-hook that rebuilds them (here: casts cos/sin, or drops the mask) is refused in the
-    forward, where a lookup of the step elsewhere would hold only until a recomputation in another thread."""
+@pytest.mark.parametrize("name,mixer", [("qwen2", "attention"), ("qwen2_moe", "attention"), ("qwen3_5", "linear")])
+def test_a_mixer_whose_call_lost_the_step_is_refused(name, mixer):
+    """The step reaches each mixer only in its own call's arguments: the decoder layers' keyword arguments where the
+    text model's reach the attention (the interface route), else the position embeddings, and the linear mixers'
+    mask. A pre-hook that rebuilds them (here: keeps only the attention's named parameters, casts cos/sin, or drops
+    the mask) is refused in the forward, where a lookup of the step elsewhere would hold only until a recomputation
+    in another thread."""
+    import inspect
+
+    from tfcompat._step.install import _ATTR
+
     if name not in FAMILIES:
         pytest.skip(f"{name} is not patchable on this release")
     model, ids, mask, _ = _padded_and_packed(name, "text")
     pk = pack(ids, mask, vision=False)
     tfcompat.patch(model)
-    if lost == "attention mask" and not linear_attention(name):
+    if mixer == "linear" and not linear_attention(name):
         pytest.skip(f"{name} has no linear-attention layers on this release")
+    rides = next(getattr(m, _ATTR).rides for m in model.modules() if getattr(m, _ATTR, None) is not None and
+                 getattr(m, _ATTR).kind == "text")
+    lost = "keyword arguments" if rides else "attention mask" if mixer == "linear" else "position embeddings"
 
     def rebuild(module, args, kwargs):
-        if lost == "position embeddings":
+        if lost == "keyword arguments":
+            named = inspect.signature(type(module).forward).parameters
+            kwargs = {k: v for k, v in kwargs.items() if k in named}
+        elif lost == "position embeddings":
             kwargs["position_embeddings"] = tuple(t.to(torch.float32) for t in kwargs["position_embeddings"])
         else:
             kwargs["attention_mask"] = None
         return args, kwargs
 
-    ending = "Attention" if lost == "position embeddings" else "GatedDeltaNet"
+    ending = "Attention" if mixer == "attention" else "GatedDeltaNet"
     mixers = [m for m in model.modules() if type(m).__name__.endswith(ending)]
     assert mixers
     handles = [m.register_forward_pre_hook(rebuild, with_kwargs=True) for m in mixers]

@@ -58,6 +58,17 @@ class AttentionPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class CarrierPlan:
+    """How a packed step reaches the registered attention function on the interface route."""
+
+    #: the text model hands its ``**kwargs`` to every decoder layer and the layer hands them to its attention: the
+    #: step rides there, as ``cu_seq_lens_q`` does (read from the source); else on the rotary module's output
+    kwargs_reach: bool
+    #: the decoder layer class the text model builds (read from its ``__init__``)
+    layer: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class RopeIndexPlan:
     """Where the installed release computes a vision family's mRoPE position ids."""
 

@@ -15,10 +15,11 @@ import threading
 
 from .. import version as _version
 from ..errors import TfcompatError, UnsupportedTransformersError
+from . import carrier as _carrier
 from . import transformers4
 from .families import FAMILIES, PROBE_ONLY
 from .families import family as _family
-from .plans import AttentionPlan, Resolution, RopeIndexPlan, RopeInitPlan, RopePlan  # noqa: F401 (public here)
+from .plans import AttentionPlan, CarrierPlan, Resolution, RopeIndexPlan, RopeInitPlan, RopePlan  # noqa: F401 (public here)
 from .source import _Def, _exists, _Imported, _load, _module, _read, _root, _Text  # noqa: F401 (re-exported)
 
 _NO_FACT = object()
@@ -198,31 +199,30 @@ def _resolve_attention(fam, capability):
                       reason, str(_version.transformers_version()), plan, (module.name, ""))
 
 
-#: an attention forward that looks its attention function up in upstream's registry by the config's key and hands
-#: it its own ``**kwargs`` (what ``AttentionInterface.register`` serves); read from the source
-_LOOKS_UP = re.compile(r"ALL_ATTENTION_FUNCTIONS")
-_HANDS_KWARGS = re.compile(r"attention_interface\((?:[^()]|\([^()]*\))*\*\*kwargs\s*,?\s*\)")
-
-
 def _resolve_carrier(fam, capability):
-    """How a packed step reaches the attention kernel: ``interface`` where the installed attention forward looks up
-    ``ALL_ATTENTION_FUNCTIONS`` by ``config._attn_implementation`` and passes its ``**kwargs`` to it (tfcompat keeps
-    upstream's forward and serves the call, ``_step/attend.py``); else ``forward`` (tfcompat's bundled forward,
-    attention_forward in ``_step/attend.py``)."""
+    """How a packed step reaches the attention kernel (probes in :mod:`.carrier`): ``interface`` where the installed
+    attention forward hands its call and ``**kwargs`` to ``ALL_ATTENTION_FUNCTIONS`` (tfcompat keeps upstream's forward
+    and serves the call), else ``forward`` (tfcompat's bundled forward); both in ``_step/attend.py``."""
     module = _modeling(fam, capability)
     forward = _method(module, fam.attention, "forward", capability)
     routed = _probe(capability, "whether the attention calls ALL_ATTENTION_FUNCTIONS with its kwargs", forward,
-                    lambda b: bool(_LOOKS_UP.search(b) and _HANDS_KWARGS.search(b)))
+                    _carrier.routes)
+    text_model = resolve("attention.signature", fam.name).plan.text_model
+    plan = CarrierPlan(*_carrier.kwargs_reach(module, text_model)) if routed else None
     if routed:
         reason = (f"{fam.attention}.forward looks up ALL_ATTENTION_FUNCTIONS by config._attn_implementation and passes "
                   f"its **kwargs: upstream's forward runs, tfcompat's registered attention function serves a packed "
                   f"step (eager, sdpa and flex calls go to upstream's own function)")
+        reason += (f"; the text model hands its **kwargs to each {plan.layer}, which hands them to the attention: "
+                   f"the step rides there" if plan.kwargs_reach else
+                   "; the step rides on the rotary module's output (the text model's **kwargs do not reach the "
+                   "attention)")
     else:
         reason = (f"{fam.attention}.forward does not call ALL_ATTENTION_FUNCTIONS with its **kwargs "
                   f"(per-implementation classes or its own kernel call): tfcompat's bundled attention forward serves "
                   f"a packed step")
     return Resolution(capability, "interface" if routed else "forward", f"{module.name}.{fam.attention}.forward",
-                      reason, str(_version.transformers_version()), None, (module.name, fam.attention))
+                      reason, str(_version.transformers_version()), plan, (module.name, fam.attention))
 
 
 def _resolve_rope_index(fam, capability):

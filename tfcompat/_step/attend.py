@@ -31,8 +31,8 @@ from .install import (
     _ATTR,
     _CACHE_NAMES,
     _ORIGINAL,
+    _STEP,
     _arguments,
-    _Carried,
     _carried,
     _in_step,
     _lost_step,
@@ -44,8 +44,8 @@ from .install import (
 _PACKAGE = __name__.rpartition("._step")[0]
 #: the key of :func:`packed_attention` in upstream's registry, and in each patched attention module's config copy
 KEY = f"{_PACKAGE}:packed"
-#: the keyword the step rides under in the attention's kwargs (an identifier of this copy)
-STEP = "packed_step__" + _PACKAGE.replace(".", "__")
+#: the keyword the step rides under in the layers' and the attention's kwargs (an identifier of this copy)
+STEP = _STEP
 #: the implementations whose upstream function reads nothing of ``module.config`` that the copy changes (flash
 #: attention on 5.x reads ``module.config._attn_implementation`` to load its kernel): a model loaded with another
 #: keeps tfcompat's bundled attention forward
@@ -212,9 +212,10 @@ def attention_forward(self, *args, **kwargs):
     import torch
 
     state = getattr(self, _ATTR)
-    pe = kwargs.get("position_embeddings")
-    if not isinstance(pe, _Carried):
-        pe = None if "position_embeddings" in kwargs else _carried(args, kwargs)
+    step = kwargs.pop(STEP, None)
+    if step is not None:  # the text model handed it down in the layers' kwargs (the interface route)
+        return _interface_step(self, state, step, args, kwargs)
+    pe = _carried(args, kwargs)
     hidden = args[0] if args else kwargs.get("hidden_states")
     if pe is None or hidden is None:
         if state.group is None and state.cgroup is None and not state.group_lost and \
@@ -223,11 +224,7 @@ def attention_forward(self, *args, **kwargs):
             return saved(*args, **kwargs) if saved is not None else type(self).forward(self, *args, **kwargs)
         return _attention_unpacked(self, state, args, kwargs)
     step = pe.step
-    if hidden.shape[0] != 1:
-        raise PackingError(f"tfcompat {state.family}: the packed attention needs batch 1, got batch "
-                            f"{hidden.shape[0]}")
-    if state.group_lost:
-        state.group_or_raise()
+    _check_call(state, hidden)
     if state.carrier == "interface":  # upstream's forward, unchanged; the step rides in its kwargs to the call
         return upstream_forward(self, state, step, args, kwargs)
 
@@ -268,10 +265,30 @@ def attention_forward(self, *args, **kwargs):
     return (out, None, None) if plan.returns == 3 else (out, None)
 
 
+def _interface_step(self, state, step, args, kwargs):
+    """A packed step whose boundaries came in the attention's own kwargs: upstream's forward runs, the registered
+    function serves its attention call."""
+    if not state.rides:
+        raise TfcompatError(f"tfcompat {state.family}: {type(self).__name__} got a packed step in its keyword "
+                            f"arguments but was patched to find it on the position embeddings; call "
+                            f"tfcompat.patch(model) again")
+    _check_call(state, args[0] if args else kwargs.get("hidden_states"))
+    return upstream_forward(self, state, step, args, kwargs)
+
+
+def _check_call(state, hidden):
+    """A packed step's attention call: one row (batch 1), and a process group where the model was patched with one."""
+    if hidden is not None and hidden.shape[0] != 1:
+        raise PackingError(f"tfcompat {state.family}: the packed attention needs batch 1, got batch "
+                           f"{hidden.shape[0]}")
+    if state.group_lost:
+        state.group_or_raise()
+
+
 def _attention_unpacked(self, state, args, kwargs):
     """Not a packed step: upstream's attention, unchanged (a sequence-parallel one only inside a step)."""
     if _in_step():
-        raise _lost_step(state, self, "the position embeddings")
+        raise _lost_step(state, self, "the keyword arguments" if state.rides else "the position embeddings")
     if state.split() or state.group_lost:
         a = _arguments(self, args, kwargs)
         if a is not None and not any(a.get(n) is not None for n in _CACHE_NAMES):

@@ -15,6 +15,7 @@ from .install import (
     _ATTR,
     _CACHE_NAMES,
     _FLASH_KWARGS,
+    _STEP,
     _Carried,
     _carried,
     _in_step,
@@ -38,16 +39,15 @@ def rotary_forward(self, *args, **kwargs):
 
 def layer_forward(self, *args, **kwargs):
     state = getattr(self, _ATTR)
-    pe = kwargs.get("position_embeddings")
-    if not isinstance(pe, _Carried):
-        pe = None if "position_embeddings" in kwargs else _carried(args, kwargs)
+    pe = _carried(args, kwargs)
     if pe is None:
         if isinstance(_carrier.call_entry(), _carrier.Active):  # a tripwire: the step's carrier was lost
             raise TfcompatError(
                 f"tfcompat {state.family}: {type(self).__name__} did not receive the position embeddings of this "
-                f"packed step, so it cannot tell where sequences begin; a wrapper around the decoder layer that "
-                f"drops keyword arguments would do this (wrap the layers with torch's checkpoint_wrapper or "
-                f"tfcompat.enable_checkpointing); if nothing wraps it, this transformers release passes them "
+                f"packed step, so it cannot tell where sequences begin; a wrapper or pre-hook around the decoder layer "
+                f"that drops or rebuilds its arguments would do this (FSDP2's MixedPrecisionPolicy rebuilds them "
+                f"unless cast_forward_inputs=False; for checkpointing wrap the layers with torch's checkpoint_wrapper "
+                f"or tfcompat.enable_checkpointing); if nothing wraps it, this transformers release passes them "
                 f"differently: please report it (transformers {_resolve._version.transformers_version()})")
     elif state.linear_child:
         args, kwargs = _with_step_mask(self, pe.step, args, kwargs)
@@ -75,11 +75,13 @@ def linear_forward(self, hidden_states, *args, **kwargs):
     import torch
 
     state = getattr(self, _ATTR)
-    carrier = _carrier.first((v for v in (*args, *kwargs.values()) if isinstance(v, _StepMask)), None)
-    step = carrier.step if carrier is not None else None
+    step, carrier = kwargs.pop(_STEP, None), None  # the layer's kwargs carry it (the interface route)
+    if step is None:
+        carrier = _carrier.first((v for v in (*args, *kwargs.values()) if isinstance(v, _StepMask)), None)
+        step = carrier.step if carrier is not None else None
     if step is None:
         if _in_step():
-            raise _lost_step(state, self, "the attention mask")
+            raise _lost_step(state, self, "the keyword arguments" if state.rides else "the attention mask")
         return _original(self, state, hidden_states, *args, **kwargs)
     args = tuple(None if v is carrier else v for v in args)
     cache = _carrier.first((kwargs[n] for n in _CACHE_NAMES if kwargs.get(n) is not None), args[0] if args else None)

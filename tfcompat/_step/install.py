@@ -18,6 +18,9 @@ _ATTR = "_tfcompat_patch"          # per patched module: its _State
 _MODEL_ATTR = "_tfcompat_model"    # per model passed to patch(): its record
 _FLASH_KWARGS = FLASH_KWARGS
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "cache_params")
+#: the keyword a packed step rides under from the text model down the decoder layers' ``**kwargs`` to the
+#: attention (the interface route): an identifier of this copy, which another copy neither reads nor sets
+_STEP = "packed_step__" + __name__.rpartition("._step")[0].replace(".", "__")
 
 
 
@@ -37,7 +40,10 @@ class _State:
         self.group, self.world, self.saved_forward = group, world, saved_forward
         self.group_lost = False
         self.linear_child = False  # decoder layers: holds a linear-attention mixer (gets a _StepMask)
-        self.carrier = "forward"  # attention modules: "interface" where upstream's forward runs (.interface)
+        self.carrier = "forward"  # attention modules: "interface" where upstream's forward runs (.attend)
+        # text model and attention modules: the step rides down the decoder layers' kwargs (then neither the rotary
+        # module nor the layers are patched)
+        self.rides = False
         self.fn = None  # the module-level forward installed (kept to bind it again after unpickling)
         self.restored = False  # unpickled: the shared forward is bound again at the text model's first call
 
@@ -250,7 +256,7 @@ def _uninstall(module):
         module.forward = state.saved_forward
     else:
         module.__dict__.pop("forward", None)
-    if state.carrier == "interface":
+    if state.kind == "attention" and state.carrier == "interface":
         module.config = unkeyed(module.config)
 
 
@@ -311,16 +317,15 @@ def _patched_as(module):
 
 # ------------------------------------------------------------------- the step's carriers, read
 def _carried(args, kwargs):
-    """The step's carrier among a layer's arguments (keyword ``position_embeddings`` first), or None."""
+    """The step's carrier among a layer's arguments (keyword ``position_embeddings`` first), or None: also where
+    something rebuilt the tuple as its own class without the step (torch's ``_apply_to_tensors``, FSDP2's input
+    cast, does ``type(x)(...)``)."""
     pe = kwargs.get("position_embeddings")
-    if isinstance(pe, _Carried):
-        return pe
-    for v in args:
+    if "position_embeddings" in kwargs:
+        return pe if isinstance(pe, _Carried) and pe.step is not None else None
+    for v in (*args, *kwargs.values()):
         if isinstance(v, _Carried):
-            return v
-    for v in kwargs.values():
-        if isinstance(v, _Carried):
-            return v
+            return v if v.step is not None else None
     return None
 
 

@@ -6,6 +6,10 @@ do not interfere):
 * the text decoder stack's forward: decides once per step whether the row is packed and
   where its sequences begin (see "boundaries" below), checks what the packed path cannot
   serve, and on releases whose text model predates 4-row position ids strips the text row;
+* where the release's text model hands its ``**kwargs`` down the decoder layers to the attention (the
+  ``attention.carrier`` resolution's plan) and the model runs the interface route, that is the carrier: the text
+  model adds the step to them under this copy's own keyword, checkpoint recomputation replays it, and neither the
+  rotary module nor the layers below are patched. Elsewhere:
 * its rotary module: in a packed step, the ``(cos, sin)`` it returns is a tuple that also
   carries the step's boundaries (:class:`_Carried`). Decoder layers hand that tuple down
   unchanged, and activation-checkpoint recomputation replays the layer call with the same
@@ -262,6 +266,11 @@ def _install_all(model, fam, targets, state_of, linear_cls, resolutions, windows
             st.group is state_of["group"] and not st.group_lost and st.dummy_visual == state_of["dummy_visual"] and \
             st.slice_inputs == state_of["slice_inputs"] and st.cgroup is state_of["cgroup"]
 
+    # the interface route where the text model's kwargs reach every mixer: the step rides there, so neither the
+    # rotary module nor the decoder layers are patched
+    riding = carrier.impl == "interface" and carrier.plan.kwargs_reach and all(routed.values()) and bool(routed)
+    if riding:
+        targets = [(m, kind) for m, kind in targets if kind not in ("rotary", "layer")]
     patched_below = [m for m in model.modules() if _patched_as(m) is not None]
     if targets and all(same(m, kind) for m, kind in targets) and len(patched_below) == len(targets):
         return
@@ -271,6 +280,8 @@ def _install_all(model, fam, targets, state_of, linear_cls, resolutions, windows
         state = _State(kind, fam.name, state_of["remove_padding"], state_of["group"], state_of["world"],
                        dummy_visual=state_of["dummy_visual"], slice_inputs=state_of["slice_inputs"],
                        cgroup=state_of["cgroup"], cworld=state_of["cworld"])
+        if kind == "linear":
+            state.rides = riding
         if kind == "layer" and linear_cls is not None:
             state.linear_child = any(isinstance(c, linear_cls) for c in m.modules())
         if kind == "attention" and resolutions[1].plan.cos_rows == 3:
@@ -280,11 +291,12 @@ def _install_all(model, fam, targets, state_of, linear_cls, resolutions, windows
             state.rope, state.plan = resolutions[1], resolutions[2].plan
             if routed[id(m)]:
                 _attend.register()
-                state.carrier = "interface"
+                state.carrier, state.rides = "interface", riding
         if kind == "text":
             state.plan = resolutions[2].plan  # the text model's plan, bound here: read per step, not resolved
+            state.rides = riding
         _install(m, kind, state, FORWARDS[kind])
-        if state.carrier == "interface":
+        if kind == "attention" and state.carrier == "interface":
             m.config = _attend.keyed(m.config)  # this module's own copy: upstream's lookup finds tfcompat's function
 
 

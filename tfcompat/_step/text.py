@@ -15,6 +15,7 @@ from .install import (
     _ATTR,
     _CACHE_NAMES,
     _FLASH_KWARGS,
+    _STEP,
     _arguments,
     _original,
     _recalled_explicit,
@@ -193,6 +194,8 @@ def _packed(self, state, a, step, changed):
         # (some releases cannot parse 3-row ids there); the patched attention does not use it
         changed["attention_mask"] = torch.ones(tuple(ref.shape[:2]), dtype=torch.long, device=ref.device)
     a.update(changed)
+    if state.rides:  # down the layers' own kwargs to the attention (a checkpoint replays them)
+        a[_STEP] = step
     with _carrier.carry(_carrier.Active(step)):
         return _original(self, state, **a)
 

@@ -89,14 +89,24 @@ def _summary(doc):
                     f"{low} .. {high}"),
         "kernels": (f"rope {rope.replace('=', ': ').replace(' cuda', ', cuda')}; packed attention: cpu and fp32 "
                     f"sdpa (exact, per sequence), cuda fp16/bf16 {varlen}"),
-        "carrier": ("tfcompat's bundled attention forwards (boundaries ride the rotary output and the call's "
-                    "kwargs) for every patched family"),
+        "carrier": _carriers(res, patched),
         "families": (f"{len(installed)} on this release: {len(patched)} patched, {len(rope_only)} rope only"
                      + (f" ({', '.join(rope_only)})" if rope_only else "")
                      + (f", {len(nope)} without rope ({', '.join(nope)})" if nope else "")),
         "unsupported": ", ".join(r["capability"] for r in doc["resolutions"] if r["impl"] == "unsupported")
                        or "none",
     }
+
+
+def _carriers(res, patched):
+    """The summary's line on what carries a packed step, counted over the patched families' resolutions."""
+    rows = [res.get(f"attention.carrier:{f}", {}) for f in patched]
+    rides = sum(r.get("impl") == "interface" and bool((r.get("plan") or {}).get("kwargs_reach")) for r in rows)
+    interface = sum(r.get("impl") == "interface" for r in rows)
+    forward = sum(r.get("impl") == "forward" for r in rows)
+    return (f"upstream's attention forward and AttentionInterface for {interface} families ({rides} with the step in "
+            f"the layers' kwargs, {interface - rides} on the rotary output); tfcompat's bundled forward for {forward} "
+            f"(a model loaded with flash attention, or patched with TFCOMPAT_ROPE_IMPL set, keeps the bundled forward)")
 
 
 def _print_report(doc, decisions=True):
