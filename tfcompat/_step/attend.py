@@ -214,7 +214,7 @@ def attention_forward(self, *args, **kwargs):
     state = getattr(self, _ATTR)
     step = kwargs.pop(STEP, None)
     if step is not None:  # the text model handed it down in the layers' kwargs (the interface route)
-        return _interface_step(self, state, step, args, kwargs)
+        return upstream_forward(self, state, step, args, kwargs)
     pe = _carried(args, kwargs)
     hidden = args[0] if args else kwargs.get("hidden_states")
     if pe is None or hidden is None:
@@ -224,9 +224,9 @@ def attention_forward(self, *args, **kwargs):
             return saved(*args, **kwargs) if saved is not None else type(self).forward(self, *args, **kwargs)
         return _attention_unpacked(self, state, args, kwargs)
     step = pe.step
-    _check_call(state, hidden)
     if state.carrier == "interface":  # upstream's forward, unchanged; the step rides in its kwargs to the call
         return upstream_forward(self, state, step, args, kwargs)
+    _check_call(state, hidden)
 
     plan = state.plan  # the attention.signature plan, bound at patch time
     s, d = hidden.shape[1], self.head_dim
@@ -265,19 +265,9 @@ def attention_forward(self, *args, **kwargs):
     return (out, None, None) if plan.returns == 3 else (out, None)
 
 
-def _interface_step(self, state, step, args, kwargs):
-    """A packed step whose boundaries came in the attention's own kwargs: upstream's forward runs, the registered
-    function serves its attention call."""
-    if not state.rides:
-        raise TfcompatError(f"tfcompat {state.family}: {type(self).__name__} got a packed step in its keyword "
-                            f"arguments but was patched to find it on the position embeddings; call "
-                            f"tfcompat.patch(model) again")
-    _check_call(state, args[0] if args else kwargs.get("hidden_states"))
-    return upstream_forward(self, state, step, args, kwargs)
-
-
 def _check_call(state, hidden):
-    """A packed step's attention call: one row (batch 1), and a process group where the model was patched with one."""
+    """The bundled forward's packed call: one row (batch 1), and a process group where the model was patched with one
+    (on the interface route the text model checked both once for the step, and upstream's forward runs as it is)."""
     if hidden is not None and hidden.shape[0] != 1:
         raise PackingError(f"tfcompat {state.family}: the packed attention needs batch 1, got batch "
                            f"{hidden.shape[0]}")

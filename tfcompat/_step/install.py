@@ -28,6 +28,9 @@ class _State:
     """Per patched module. Picklable and deep-copyable: a copy shares the (unpicklable) process group;
     a pickled copy forgets it and asks to be patched again before a Ulysses step."""
 
+    calls = None  # class defaults: a state pickled before these existed reads them
+    rides = False
+
     def __init__(self, kind, family, remove_padding, group, world, saved_forward=None, dummy_visual=True,
                  slice_inputs=False, cgroup=None, cworld=1):
         self.kind, self.family, self.remove_padding = kind, family, remove_padding
@@ -46,11 +49,13 @@ class _State:
         self.rides = False
         self.fn = None  # the module-level forward installed (kept to bind it again after unpickling)
         self.restored = False  # unpickled: the shared forward is bound again at the text model's first call
+        self.calls = None  # the text model and the vision owner: boundaries by input, for a checkpoint's replay
 
     def __deepcopy__(self, memo):
         new = copy.copy(self)
         new.saved_forward = copy.deepcopy(self.saved_forward, memo)
         new.restored = False  # a deep copy copies the bound forwards too (copy._deepcopy_method)
+        new.calls = None
         return new
 
     def __getstate__(self):
@@ -58,6 +63,7 @@ class _State:
         if state["group"] is not None or state.get("cgroup") is not None:
             state["group"], state["cgroup"], state["group_lost"] = None, None, True
         state["restored"] = True
+        state["calls"] = None
         return state
 
     def split(self):
@@ -122,32 +128,30 @@ class _StepMask:
         return f"<tfcompat packed-step boundaries {list(self.step.bounds)}>"
 
 
-_CALLS = None
-
-
-def _remember_explicit(ref, explicit):
-    """The boundaries a top-level call handed (through the scope) to the module whose input is ``ref``: kept,
-    weakly keyed by that input, for a checkpoint wrapper around the module (``checkpoint_wrapper(model.model)``)
-    whose recomputation replays the module's call in backward, outside the top-level call."""
-    global _CALLS
+def _remember_explicit(state, ref, explicit):
+    """The boundaries a top-level call handed (through the scope) to this module (``state``'s) for its input ``ref``:
+    kept on the module's own state, weakly keyed by that input, for a checkpoint wrapper around the module
+    (``checkpoint_wrapper(model.model)``) whose recomputation replays the module's call in backward, outside the
+    top-level call. Per module: another model, or another copy of tfcompat, never reads them."""
     import torch
 
     if torch.compiler.is_compiling():
         return  # traced: a checkpoint inside the compiled region replays the traced graph, boundaries included
-    if _CALLS is None:
+    if state.calls is None:
         from torch.utils.weak import WeakIdKeyDictionary
 
-        _CALLS = WeakIdKeyDictionary()
-    _CALLS[ref] = explicit
+        state.calls = WeakIdKeyDictionary()
+    state.calls[ref] = explicit
 
 
-def _recalled_explicit(ref):
-    """The boundaries of the forward call being recomputed in backward with this same input, or None."""
+def _recalled_explicit(state, ref):
+    """The boundaries of this module's forward call being recomputed in backward with this same input, or None."""
     import torch
 
-    if _CALLS is None or ref is None or torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
+    if state.calls is None or ref is None or torch.compiler.is_compiling() or \
+            torch._C._current_graph_task_id() == -1:
         return None
-    return _CALLS.get(ref)
+    return state.calls.get(ref)
 
 
 # ----------------------------------------------------------------------------------- helpers
@@ -318,8 +322,7 @@ def _patched_as(module):
 # ------------------------------------------------------------------- the step's carriers, read
 def _carried(args, kwargs):
     """The step's carrier among a layer's arguments (keyword ``position_embeddings`` first), or None: also where
-    something rebuilt the tuple as its own class without the step (torch's ``_apply_to_tensors``, FSDP2's input
-    cast, does ``type(x)(...)``)."""
+    something rebuilt the tuple as its own class without the step (FSDP2's input cast does ``type(x)(...)``)."""
     pe = kwargs.get("position_embeddings")
     if "position_embeddings" in kwargs:
         return pe if isinstance(pe, _Carried) and pe.step is not None else None

@@ -55,8 +55,8 @@ def text_model_forward(self, *args, **kwargs):
     if ref is None:
         return _original(self, state, *args, **kwargs)
     if explicit and entry is not None and torch.is_grad_enabled():
-        _remember_explicit(ref, explicit)
-    elif not explicit and entry is None and (found := _recalled_explicit(ref)) is not None:
+        _remember_explicit(state, ref, explicit)
+    elif not explicit and entry is None and (found := _recalled_explicit(state, ref)) is not None:
         with _carrier.carry(_carrier.Named(found)):  # a checkpoint's recomputation of this call: the same boundaries
             return text_model_forward(self, *args, **kwargs)
     seen = _boundaries.check_position_shape(state.family, a.get("position_ids"), ref.shape[0], ref.shape[1])

@@ -93,8 +93,8 @@ def vl_forward(self, *args, **kwargs):
     entry = _carrier.call_entry()
     ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
     if isinstance(entry, _carrier.Named) and torch.is_grad_enabled():
-        _remember_explicit(ref, entry.kwargs)
-    elif entry is None and (found := _recalled_explicit(ref)) is not None:
+        _remember_explicit(state, ref, entry.kwargs)
+    elif entry is None and (found := _recalled_explicit(state, ref)) is not None:
         with _carrier.carry(_carrier.Named(found)):  # a checkpoint's recomputation of this call: the same boundaries
             return vl_forward(self, *args, **kwargs)
     pixels = a.get("pixel_values") is not None or a.get("pixel_values_videos") is not None
