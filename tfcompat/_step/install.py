@@ -155,6 +155,13 @@ def _recalled_explicit(state, ref):
 
 
 # ----------------------------------------------------------------------------------- helpers
+def decoding(a):
+    """Whether a call (its arguments by name) is generate()'s: a KV cache, or ``cache_position`` with caching (5.0-5.2's
+    prefill, which creates the cache). The one reading of it: the text model, the vision owner and the labels."""
+    return any(a.get(n) is not None for n in _CACHE_NAMES) or \
+        (a.get("cache_position") is not None and a.get("use_cache") is not False)
+
+
 def _original(module, state, *args, **kwargs):
     if state.saved_forward is not None:
         return state.saved_forward(*args, **kwargs)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..errors import PackingError, UlyssesError
 from .boundaries import explicit_cu, mask_valid, text_row
-from .install import _CACHE_NAMES
+from .install import decoding
 from .starts import _assert, _traced_starts_of_positions, restarts
 
 
@@ -56,8 +56,7 @@ def refuse_whole_row_labels(state, kwargs):
     if kwargs.get("labels") is None or not state.split():
         return
     if not state.slice_inputs:
-        decoding = any(kwargs.get(n) is not None for n in _CACHE_NAMES)
-        if kwargs.get("shift_labels") is None and not decoding:
+        if kwargs.get("shift_labels") is None and not decoding(kwargs):
             raise UlyssesError(
                 f"tfcompat {state.family}: labels of a sequence-parallel share: upstream's loss shifts them inside "
                 f"this rank's share, so the share's last token loses its target (the next share's first label) and "

@@ -21,6 +21,7 @@ from .install import (
     _recalled_explicit,
     _remember_explicit,
     _signature,
+    decoding,
     rebind_restored,
 )
 
@@ -60,7 +61,7 @@ def text_model_forward(self, *args, **kwargs):
         with _carrier.carry(_carrier.Named(found)):  # a checkpoint's recomputation of this call: the same boundaries
             return text_model_forward(self, *args, **kwargs)
     seen = _boundaries.check_position_shape(state.family, a.get("position_ids"), ref.shape[0], ref.shape[1])
-    if (state.split() or state.group_lost) and not explicit and _decoding(a):
+    if (state.split() or state.group_lost) and not explicit and decoding(a):
         return _decode_under_group(self, state, a, seen, ref, args, kwargs)
     state.group_or_raise()
     split = state.split()  # the sequence groups: Ulysses, context parallel, or both
@@ -115,14 +116,8 @@ def _caching(self, a):
     if use is None:
         # left to the config's default: eagerly a packed row turns it off; a row named by no cache and no
         # cache_position is not generate()'s, so it runs tfcompat's path compiled too (which returns no cache)
-        return _decoding(a)
-    return bool(use) or _decoding(a)
-
-
-def _decoding(a):
-    """generate()'s call: a KV cache, or (5.0-5.2 prefill, which creates the cache) cache_position with caching."""
-    return any(a.get(n) is not None for n in _CACHE_NAMES) or \
-        (a.get("cache_position") is not None and a.get("use_cache") is not False)
+        return decoding(a)
+    return bool(use) or decoding(a)
 
 
 def _decode_under_group(self, state, a, seen, ref, args, kwargs):

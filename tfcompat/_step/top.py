@@ -13,13 +13,13 @@ from . import scope as _carrier
 from . import shards as _shards
 from .install import (
     _ATTR,
-    _CACHE_NAMES,
     _FLASH_KWARGS,
     _arguments,
     _original,
     _recalled_explicit,
     _remember_explicit,
     _signature,
+    decoding,
 )
 
 
@@ -98,13 +98,12 @@ def vl_forward(self, *args, **kwargs):
         with _carrier.carry(_carrier.Named(found)):  # a checkpoint's recomputation of this call: the same boundaries
             return vl_forward(self, *args, **kwargs)
     pixels = a.get("pixel_values") is not None or a.get("pixel_values_videos") is not None
-    decoding = any(a.get(n) is not None for n in _CACHE_NAMES) or \
-        (a.get("cache_position") is not None and a.get("use_cache") is not False)
-    if state.split() and not state.slice_inputs and not decoding:  # generate(): each rank its own prompts
+    is_decoding = decoding(a)
+    if state.split() and not state.slice_inputs and not is_decoding:  # generate(): each rank its own prompts
         args, kwargs = (), _vl_shard(self, state, a, pixels)
     elif not pixels and a.get("position_ids") is None and _row_positions(state, a) is not None:
         args, kwargs = (), a
-    elif not pixels and not decoding and a.get("position_ids") is None and a.get("input_ids") is None and \
+    elif not pixels and not is_decoding and a.get("position_ids") is None and a.get("input_ids") is None and \
             a.get("attention_mask") is None and a.get("inputs_embeds") is not None:
         # text embeddings alone: the positions count over the row, as upstream counts them from input_ids (the
         # releases up to 5.0 read input_ids' shape for them and fail on embeddings alone)
