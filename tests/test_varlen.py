@@ -100,3 +100,45 @@ def test_pack_and_unpack_round_trip_with_left_padding():
     four = pack(ids, mask, pos3).position_ids
     assert four.shape == (4, 1, 6)
     assert four[0, 0].tolist() == [0, 1, 0, 1, 2, 3] and four[1, 0].tolist() == [2, 3, 0, 1, 2, 3]
+
+
+def _upstream_cu(positions):
+    """transformers' own reading of a packed row's boundaries from its position ids, whatever this release names it:
+    ``prepare_fa_kwargs_from_position_ids`` (4.56+), ``_prepare_from_posids`` (4.54-4.55) or
+    ``prepare_fa2_from_position_ids`` (4.51-4.53): the cu_seqlens it hands flash attention, as a list."""
+    import transformers.modeling_flash_attention_utils as fa
+
+    pos = positions.view(1, -1)
+    if hasattr(fa, "prepare_fa_kwargs_from_position_ids"):
+        out = fa.prepare_fa_kwargs_from_position_ids(pos)
+    else:
+        fn = getattr(fa, "_prepare_from_posids", None) or fa.prepare_fa2_from_position_ids
+        x = torch.zeros(1, pos.shape[1], 1, 1)
+        out = fn(x, x, x, pos)
+    pairs = [o for o in out if isinstance(o, tuple) and len(o) == 2 and isinstance(o[0], torch.Tensor)]
+    return pairs[0][0].tolist()
+
+
+def test_boundaries_from_positions_are_upstreams_own():
+    """The oracle is transformers' own function that reads a packed row's boundaries from position ids for flash
+    attention: on every row of up to 5 positions in 0..3 that begins at 0, cu_seqlens_from_position_ids gives
+    upstream's cu_seqlens, or refuses a row whose positions go down without restarting at 0 (upstream runs it as
+    one sequence whose positions go down, which no collator makes)."""
+    import itertools
+
+    agree = refused = 0
+    for n in range(1, 6):
+        for row in itertools.product(range(4), repeat=n):
+            if row[0] != 0:
+                continue
+            t = torch.tensor(row)
+            try:
+                cu, longest = cu_seqlens_from_position_ids(t)
+            except PackingError:
+                refused += 1
+                assert any(b < a and b != 0 for a, b in zip(row, row[1:])), row
+                continue
+            assert cu.tolist() == _upstream_cu(t), (row, cu.tolist(), _upstream_cu(t))
+            assert longest == max(b - a for a, b in zip(cu.tolist(), cu.tolist()[1:])), row
+            agree += 1
+    assert agree > 150 and refused > 50, (agree, refused)
