@@ -23,13 +23,11 @@ _CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "cache_params")
 _STEP = "packed_step__" + __name__.rpartition("._step")[0].replace(".", "__")
 
 
-
 class _State:
     """Per patched module. Picklable and deep-copyable: a copy shares the (unpicklable) process group;
     a pickled copy forgets it and asks to be patched again before a Ulysses step."""
 
-    calls = None  # class defaults: a state pickled before these existed reads them
-    rides = False
+    calls, rides = None, False  # class defaults: a state pickled before these existed reads them
 
     def __init__(self, kind, family, remove_padding, group, world, saved_forward=None, dummy_visual=True,
                  slice_inputs=False, cgroup=None, cworld=1):
@@ -191,7 +189,6 @@ def _arguments(module, args, kwargs):
             out.pop(name)
             out.update(value)
     return out
-
 
 
 #: the kinds installed many times in one model (every decoder layer and token mixer): their forward is a bound
