@@ -23,11 +23,11 @@ def routes(body):
 
 
 def kwargs_reach(module, text_model):
-    """Whether the text model's ``**kwargs`` reach the attention forward (read from the text model's ``forward`` and
-    ``__init__`` and its decoder layer's ``forward`` in ``module``: to the attention, and to a linear mixer where the
-    layer calls one, a modeling module as the probes read it); a source
-    that cannot be read says no (the step then rides on the rotary module's output). Returns (whether, the decoder
-    layer class's name)."""
+    """Whether the text model's ``**kwargs`` reach its mixers: the text model's ``forward`` hands them to each decoder
+    layer (the class its ``__init__`` builds), whose ``forward`` hands them to the attention and, where it calls one,
+    to the linear mixer. Read from ``module`` (a modeling module as the probes read it); a source that cannot be read
+    says no (the step then rides on the rotary module's output). Returns (whether, the decoder layer class's name).
+    """
     init, forward = module.method(text_model, "__init__"), module.method(text_model, "forward")
     layer = _LAYER_CLASS.search(init.body) if init is not None and init.body else None
     layer_forward = module.method(layer.group(1), "forward") if layer is not None else None
