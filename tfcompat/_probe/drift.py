@@ -6,7 +6,7 @@ from the same file: this release's own rotary module and attention, built from t
 (no drift). For another release, the file's RoPE facts (where each release writes them: ``rope_parameters`` on 5.x,
 ``rope_scaling`` and a top-level ``rope_theta`` on 4.x, under ``text_config`` for VL families), read as that release
 read them where releases differ (measured; the family table's ``reads_partial_rotary`` and
-``one_mask_before_4_53``, ``one_mask_before_5``); a file that
+``one_mask``); a file that
 names no release (or a development build) is read by its keys, and the record says so. tests/test_drift.py's sweep
 holds this to the models themselves (tools/drift_sweep.py). Patch-time code: nothing per step imports it.
 """

@@ -33,14 +33,10 @@ class Family:
     #: partial_rotary_factor the 5.x rotary module honours (4.x: every model reads the attribute);
     #: PROBE_ONLY where it changed between releases
     reads_partial_rotary: Union[bool, str] = False
-    #: 4.51-4.52 models build one sliding-window mask for every layer (measured, sdpa and eager): 4.51 wherever
-    #: ``sliding_window`` is set (even with ``use_sliding_window: false``), 4.52 where ``use_sliding_window`` is true
-    #: too (``max_window_layers`` unread); from 4.53 ``layer_types`` decides, and saved files carry them
-    one_mask_before_4_53: bool = False
-    #: every 4.x release builds one sliding-window mask for every layer where ``use_sliding_window`` is true (eager
-    #: and sdpa; measured on 4.51.3 and 4.57.6 with ``max_window_layers`` 0 and 1); 5.x derives ``layer_types``
-    #: (the even layers below ``max_window_layers``) and saves them (Qwen2-MoE)
-    one_mask_before_5: bool = False
+    #: releases that build one sliding-window mask for every layer: ((first release that does not, when), ...),
+    #: when ``"set"`` (wherever ``sliding_window`` is set) or ``"used"`` (where ``use_sliding_window`` is true too);
+    #: measured against each release's eager attention (:func:`.transformers4.one_mask`)
+    one_mask: tuple = ()
     #: releases that changed what the family computes from the same keys, whatever the file says (read from the
     #: wheels' modeling files: a rotation layout, a score function): ((drift record key, the part, the file's key that
     #: states which one it was trained with (true: the new one; "" where none does), first release of the new one,
@@ -101,6 +97,8 @@ class Family:
 
 
 # Tiny-config building blocks shared by several entries (tfcompat.testing adds the common text settings).
+#: Qwen2's line on 4.51 (one window mask wherever a window is set) and 4.52 (where it is used)
+_ONE_MASK_QWEN2 = (((4, 52), "set"), ((4, 53), "used"))
 _MOE = dict(moe_intermediate_size=32, num_experts_per_tok=2, n_routed_experts=4, num_experts=4, n_shared_experts=1,
             first_k_dense_replace=1, shared_expert_intermediate_size=32, n_group=1, topk_group=1,
             decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[])
@@ -133,13 +131,13 @@ FAMILIES = {
         Family("llama", "llama", "Llama", "LlamaAttention", "LlamaRotaryEmbedding", "neox",
                config_class="LlamaConfig"),
         Family("qwen2", "qwen2", "Qwen2", "Qwen2Attention", "Qwen2RotaryEmbedding", "neox",
-               config_class="Qwen2Config", one_mask_before_4_53=True),
+               config_class="Qwen2Config", one_mask=_ONE_MASK_QWEN2),
         Family("qwen3", "qwen3", "Qwen3", "Qwen3Attention", "Qwen3RotaryEmbedding", "neox",
-               config_class="Qwen3Config", one_mask_before_4_53=True),
+               config_class="Qwen3Config", one_mask=_ONE_MASK_QWEN2),
         Family("qwen2_moe", "qwen2_moe", "Qwen2Moe", "Qwen2MoeAttention", "Qwen2MoeRotaryEmbedding", "neox",
-               config_class="Qwen2MoeConfig", tiny_text=_MOE, one_mask_before_5=True),
+               config_class="Qwen2MoeConfig", tiny_text=_MOE, one_mask=(((5, 0), "used"),)),
         Family("qwen3_moe", "qwen3_moe", "Qwen3Moe", "Qwen3MoeAttention", "Qwen3MoeRotaryEmbedding", "neox",
-               config_class="Qwen3MoeConfig", tiny_text=_MOE),
+               config_class="Qwen3MoeConfig", tiny_text=_MOE, one_mask=(((4, 53), "used"),)),
         Family("qwen3_next", "qwen3_next", "Qwen3Next", "Qwen3NextAttention", "Qwen3NextRotaryEmbedding", "neox",
                reads_partial_rotary=True, since="4.57.0", config_class="Qwen3NextConfig",
                tiny_text=dict(_MOE, **_LINEAR), tiny_partial=0.25),
@@ -173,13 +171,13 @@ FAMILIES = {
                tiny_text=dict(_MOE, **_MLA)),
         Family("qwen2_vl", "qwen2_vl", "Qwen2VL", "Qwen2VLAttention", "Qwen2VLRotaryEmbedding", "neox",
                mrope="contiguous", default_mrope_section=PROBE_ONLY, aliases=("qwen2_vl_text",), vision=True,
-               config_class="Qwen2VLConfig", text_config_class="Qwen2VLTextConfig",
+               config_class="Qwen2VLConfig", text_config_class="Qwen2VLTextConfig", one_mask=_ONE_MASK_QWEN2,
                tiny_rope=_QWEN_VL_ROPE, tiny_section=(4, 6, 6),
                tiny_vision=dict(embed_dim=32, hidden_size=TEXT_HIDDEN, mlp_ratio=2)),
         Family("qwen2_5_vl", "qwen2_5_vl", "Qwen2_5_VL", "Qwen2_5_VLAttention", "Qwen2_5_VLRotaryEmbedding",
                "neox", mrope="contiguous", default_mrope_section=PROBE_ONLY,
                aliases=("qwen2_5_vl_text", "qwen2.5_vl", "qwen2_5vl"), vision=True,
-               config_class="Qwen2_5_VLConfig", text_config_class="Qwen2_5_VLTextConfig",
+               config_class="Qwen2_5_VLConfig", text_config_class="Qwen2_5_VLTextConfig", one_mask=_ONE_MASK_QWEN2,
                tiny_rope=_QWEN_VL_ROPE, tiny_section=(4, 6, 6),
                tiny_vision=dict(window_size=16, fullatt_block_indexes=[1], tokens_per_second=2)),
         Family("glm4v", "glm4v", "Glm4v", "Glm4vTextAttention", "Glm4vTextRotaryEmbedding", "gptj",
@@ -245,6 +243,7 @@ FAMILIES = {
                "Qwen2_5OmniRotaryEmbedding", "neox", mrope="contiguous", default_mrope_section=PROBE_ONLY,
                aliases=("qwen2_5_omni_thinker", "qwen2_5_omni_text"), since="4.52.0", vision=True,
                config_class="Qwen2_5OmniThinkerConfig", text_config_class="Qwen2_5OmniTextConfig",
+               one_mask=_ONE_MASK_QWEN2,
                tiny_section=(4, 6, 6), tiny_vision=dict(window_size=16, fullatt_block_indexes=[1], tokens_per_second=2),
                tiny_top=dict(audio_config=_AUDIO, audio_token_index=240, audio_start_token_id=241,
                              audio_end_token_id=242)),

@@ -254,14 +254,14 @@ def splits_video_frames(body):
 
 
 def _resolve_window(fam, capability):
-    """Named probe: the windowed layers are decided per model at patch() time (:mod:`.window`)."""
+    """Named: the windowed layers are read per model at patch() time (:mod:`.window`)."""
     _modeling(fam, capability)
     text = _read(fam.configuration)
     has = text is None or "sliding_window" in text
-    reason = ("per model at patch(): this release's text model, built tiny with the model's window settings, runs "
-              "one row with eager attention; PatchRecord.windows lists each layer's window") if has else \
+    reason = ("per model at patch(): each attention module's sliding_window (4.51-4.52: the one mask every layer "
+              "shares); PatchRecord.windows lists each layer's window") if has else \
         "the config has no sliding_window: every layer attends to every earlier key"
-    return Resolution(capability, "probed per model" if has else "none", f"{fam.configuration}.{fam.config_class}",
+    return Resolution(capability, "per layer" if has else "none", f"{fam.configuration}.{fam.config_class}",
                       reason, str(_version.transformers_version()), None, (fam.configuration, fam.config_class))
 
 

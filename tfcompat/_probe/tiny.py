@@ -1,4 +1,4 @@
-"""The tiny configs the probes run (the sliding-window probe, config scaling) and :mod:`tfcompat.testing` serves:
+"""The tiny configs the probes run (config scaling) and :mod:`tfcompat.testing` serves:
 a family's installed config class built with a few layers, a head_dim of 32 and mRoPE sections that add up to
 the rotary width. Read from the family table; nothing is downloaded."""
 

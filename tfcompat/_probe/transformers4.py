@@ -50,6 +50,19 @@ def qwen3_vl_visual_output(output):
     return None
 
 
+def one_mask(fam, release):
+    """Where this release builds one sliding-window mask for every layer of ``fam``'s text model: ``"set"`` (wherever
+    ``sliding_window`` is set, even with ``use_sliding_window: false``), ``"used"`` (where ``use_sliding_window`` is
+    true too; ``max_window_layers`` unread), or None (each attention module holds its own window).
+
+    Absorbs: 4.53 gave each layer its own mask type (``layer_types``), and Qwen2-MoE followed in 5.0 (the family
+    table's ``one_mask``, measured against each release's eager attention)."""
+    for before, when in fam.one_mask:
+        if tuple(release) < before:
+            return when
+    return None
+
+
 def sliding_window(module):
     """The sliding window of a 4.x attention module that has no ``sliding_window`` attribute.
 
