@@ -65,6 +65,10 @@ def _run_steps(name, patched, layers, compiled):
     return outs, counter.frame_count
 
 
+#: graphs the patched model may compile beyond the unpatched one: none; torch 2.7's dynamo guards every field of the
+#: step it is handed (its boundaries as Python ints, so one graph per sequence count: 6 vs 4 on 4.51.3, measured)
+SLACK = 0 if tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 8) else 2
+
 #: 28 layers (a 0.5B-7B model's depth) on one family; the others with 10, past dynamo's recompile limit (8): a
 #: forward guarded per layer reaches it either way (compile time grows with the layers: ~45 s for 28 on 2 cores)
 LAYERS = {NAMES[0]: 28} if "qwen3" not in NAMES else {"qwen3": 28}
@@ -72,9 +76,9 @@ LAYERS = {NAMES[0]: 28} if "qwen3" not in NAMES else {"qwen3": 28}
 
 @pytest.mark.parametrize("name", NAMES)
 def test_per_layer_compile_compiles_like_upstream(name):
-    """28 layers (10 on the other families), 8 steps of different boundaries and sequence counts: at most the
-    unpatched model's graphs plus 2, no recompile-limit warning (each layer's forward used to be its own guarded
-    object: 8 graphs, then dynamo gave up and ran the rest eagerly), and compiled equals eager."""
+    """28 layers (10 on the other families), 8 steps of different boundaries and sequence counts: no more graphs
+    than the unpatched model (:data:`SLACK`), no recompile-limit warning (each layer's forward used to be its own
+    guarded object: 8 graphs, then dynamo gave up and ran the rest eagerly), and compiled equals eager."""
     layers = LAYERS.get(name, 10)
     hit = _LimitHit()
     logger = logging.getLogger("torch._dynamo")
@@ -86,7 +90,8 @@ def test_per_layer_compile_compiles_like_upstream(name):
         logger.removeHandler(hit)
         torch._dynamo.reset()
     assert not hit.messages, hit.messages
-    assert graphs <= plain_graphs + 2, (graphs, plain_graphs)
+    print(f"{name}: {graphs} graphs patched, {plain_graphs} unpatched")
+    assert graphs <= plain_graphs + SLACK, (graphs, plain_graphs)
     want, _ = _run_steps(name, True, layers, False)
     for step, ((g_logits, g_grads), (w_logits, w_grads)) in enumerate(zip(got, want)):
         # the whole-model tolerance: compiled, the SDPA path is one masked call where eager runs one per sequence
@@ -170,13 +175,14 @@ WHOLE_CASES = [(WHOLE[0], m) for m in ("padded", "positions", "collator")] + [(n
 def test_fullgraph_whole_model(name, mode):
     """``torch.compile(model, fullgraph=True)`` over the patched model, 4 steps of different boundaries: it
     compiles (it used to fail on data-dependent guards and host reads: ``starts_of``, ``mask_valid``, the
-    remembered kwargs), with at most the unpatched model's graphs plus 2, and compiled equals eager, loss,
+    remembered kwargs), with no more graphs than the unpatched model, and compiled equals eager, loss,
     logits and gradients. The packed modes' eager run is the patched model, which the other tests hold to the
     unpatched model on the padded batch; that oracle is asserted here too for the loss."""
     got, graphs, breaks = _whole(name, mode, True, True)
     _, plain_graphs, plain_breaks = _whole(name, mode, False, True)
     assert breaks == plain_breaks == 0
-    assert graphs <= plain_graphs + 2, (graphs, plain_graphs)
+    print(f"{name} {mode}: {graphs} graphs patched, {plain_graphs} unpatched")
+    assert graphs <= plain_graphs, (graphs, plain_graphs)
     want, _, _ = _whole(name, mode, True, False)
     upstream, _, _ = _whole(name, mode, False, False)
     for step, (g, w, u) in enumerate(zip(got, want, upstream)):

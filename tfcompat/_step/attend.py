@@ -152,7 +152,7 @@ def _attend_row(step, q, k, v, scale, window, dropout):
     if step.total != q.shape[0]:
         raise PackingError(f"tfcompat attention: boundaries cover {step.total} tokens but the layer sees "
                            f"{q.shape[0]}; pass boundaries of the whole (gathered) packed row")
-    if step.bounds is None:  # a traced step (whole-model torch.compile)
+    if step.seq is not None:  # a traced step (whole-model torch.compile); not step.bounds: a guard on its length
         from .._kernels.varlen import _gpu_call, _sdpa_by_seq, traced_kernel
 
         # boundaries and the longest sequence named by the call (the collator's kwargs, packing.packed): the GPU
@@ -163,7 +163,8 @@ def _attend_row(step, q, k, v, scale, window, dropout):
                 return _gpu_call(kind, q, k, v, step.cu, step.max_len, True, scale, window, dropout)
         return _sdpa_by_seq(q, k, v, step.seq, scale, True, window, dropout)
     if torch.compiler.is_compiling():  # compiled layers: the kernel proven before tracing, decided in the graph
-        return _varlen(q, k, v, step.cu, step.bounds, step.max_len, causal=True, softmax_scale=scale, window=window,
+        # no bounds: the compiled kernel reads cu (a guard on the count of Python ints would recompile per count)
+        return _varlen(q, k, v, step.cu, None, step.max_len, causal=True, softmax_scale=scale, window=window,
                        dropout_p=dropout)
     key = ("attend", q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], v.shape[2], scale, window, dropout)
     attend = step.memo.get(key)

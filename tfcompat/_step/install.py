@@ -42,9 +42,7 @@ class _State:
         self.group_lost = False
         self.linear_child = False  # decoder layers: holds a linear-attention mixer (gets a _StepMask)
         self.carrier = "forward"  # attention modules: "interface" where upstream's forward runs (.attend)
-        # text model and attention modules: the step rides down the decoder layers' kwargs (then neither the rotary
-        # module nor the layers are patched)
-        self.rides = False
+        self.rides = False  # text model, mixers: the step rides down the layers' kwargs (rotary, layers unpatched)
         self.fn = None  # the module-level forward installed (kept to bind it again after unpickling)
         self.restored = False  # unpickled: the shared forward is bound again at the text model's first call
         self.calls = None  # the text model and the vision owner: boundaries by input, for a checkpoint's replay
@@ -238,6 +236,7 @@ def rebind_restored(root):
 
 def _install(module, kind, state, fn):
     _uninstall(module)  # never wrap our own forward: patching again replaces
+    _signature(type(module))  # read at patch time: a first read under torch.compile guards on the cache's contents
     state.saved_forward = module.__dict__.get("forward")
     state.fn = fn
     setattr(module, _ATTR, state)
