@@ -96,6 +96,47 @@ def test_the_step_rides_the_layers_kwargs_where_they_reach_the_attention(name):
         torch.testing.assert_close(zero if g is None else g, zero if w is None else w, atol=1e-4, rtol=1e-4)
 
 
+class _Squares(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every tensor an op returns shaped as upstream's masks are, (batch, 1, tokens, tokens): torch's own
+    dispatch hook. (A linear mixer's chunked kernel makes (1, heads, chunks, n, n) blocks of its own.)"""
+
+    def __init__(self, tokens):
+        super().__init__()
+        self.tokens, self.seen = tokens, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(o, torch.Tensor) and o.dim() == 4 and tuple(o.shape[1:]) == (1, self.tokens, self.tokens):
+                self.seen.append((str(func), tuple(o.shape)))
+        return out
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", SERVED)
+def test_a_packed_row_builds_no_tokens_by_tokens_mask(name, impl):
+    """Where upstream's text model takes its masks ready-made by layer type (``isinstance(causal_mask_mapping :=
+    attention_mask, dict)`` in its own forward, read here from the imported class), a packed step hands None for
+    each: no op returns a (tokens, tokens) tensor, under SDPA (every family) and eager; and the row still equals
+    transformers' own model on the padded batch."""
+    model = tiny_model(name, attn_implementation=impl)
+    plan = _resolve.resolve("attention.signature", name).plan
+    text = next(m for m in model.modules() if type(m).__name__ == plan.text_model)
+    takes = "isinstance(causal_mask_mapping := attention_mask, dict)" in inspect.getsource(type(text).forward)
+    carrier = _resolve.resolve("attention.carrier", name).plan
+    riding = carrier is not None and carrier.kwargs_reach
+    assert bool(riding and carrier.masks_by_type) == (riding and takes), (name, carrier)
+    ids, mask, pk = _batch(model.config.get_text_config().vocab_size)
+    want = model(input_ids=ids, attention_mask=mask).logits
+    tfcompat.patch(model)
+    squares = _Squares(pk.input_ids.shape[-1])
+    with squares:
+        got = unpack(model(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False).logits, pk)
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=2e-5)
+    if impl == "sdpa" or (riding and takes):
+        assert not squares.seen, (name, impl, squares.seen[:3])
+
+
 def test_the_boundary_families_route_through_the_interface_on_5x():
     if not V5:
         # 4.51-4.52: Qwen2-VL / Qwen2.5-VL keep per-implementation attention classes (the bundled forward serves them)

@@ -66,6 +66,9 @@ class CarrierPlan:
     kwargs_reach: bool
     #: the decoder layer class the text model builds (read from its ``__init__``)
     layer: str = ""
+    #: the text model takes its masks ready-made in ``attention_mask``, a dict by layer type (as generate() hands
+    #: them): a packed step hands it None for every type, so upstream builds no (tokens, tokens) mask for the row
+    masks_by_type: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

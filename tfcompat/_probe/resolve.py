@@ -213,10 +213,10 @@ def _resolve_carrier(fam, capability):
         reason = (f"{fam.attention}.forward looks up ALL_ATTENTION_FUNCTIONS by config._attn_implementation and passes "
                   f"its **kwargs: upstream's forward runs, tfcompat's registered attention function serves a packed "
                   f"step (eager, sdpa and flex calls go to upstream's own function)")
+        ready = "; it takes ready-made masks by layer type: a packed step hands None for each" * plan.masks_by_type
         reason += (f"; the text model hands its **kwargs to each {plan.layer}, which hands them to the attention: "
-                   f"the step rides there" if plan.kwargs_reach else
-                   "; the step rides on the rotary module's output (the text model's **kwargs do not reach the "
-                   "attention)")
+                   f"the step rides there{ready}" if plan.kwargs_reach else "; the step rides on the rotary module's "
+                   "output (the text model's **kwargs do not reach the attention)")
     else:
         reason = (f"{fam.attention}.forward does not call ALL_ATTENTION_FUNCTIONS with its **kwargs "
                   f"(per-implementation classes or its own kernel call): tfcompat's bundled attention forward serves "

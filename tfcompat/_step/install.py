@@ -28,6 +28,7 @@ class _State:
     a pickled copy forgets it and asks to be patched again before a Ulysses step."""
 
     calls, rides = None, False  # class defaults: a state pickled before these existed reads them
+    masks = None  # the text model: the layer types whose masks a packed step hands as None (CarrierPlan.masks_by_type)
 
     def __init__(self, kind, family, remove_padding, group, world, saved_forward=None, dummy_visual=True,
                  slice_inputs=False, cgroup=None, cworld=1):

@@ -238,6 +238,11 @@ def _targets(model, fam, classes, split, release):
     return targets
 
 
+def _mask_types(config):
+    """The layer types a text model indexes its masks by (each layer's ``layer_types`` entry)."""
+    return tuple(sorted({"full_attention", "sliding_attention", *(getattr(config, "layer_types", None) or ())}))
+
+
 def _install_all(model, fam, targets, state_of, linear_cls, resolutions, windows):
     """Install every target's forward with its state; a model already patched the same way is left as it is
     (patching twice is a no-op), else every earlier patch below the model is removed first."""
@@ -292,9 +297,9 @@ def _install_all(model, fam, targets, state_of, linear_cls, resolutions, windows
             if routed[id(m)]:
                 _attend.register()
                 state.carrier, state.rides = "interface", riding
-        if kind == "text":
-            state.plan = resolutions[2].plan  # the text model's plan, bound here: read per step, not resolved
-            state.rides = riding
+        if kind == "text":  # the plan bound here (read per step); masks: none of (tokens, tokens) for a packed row
+            state.plan, state.rides = resolutions[2].plan, riding
+            state.masks = _mask_types(m.config) if riding and carrier.plan.masks_by_type else None
         _install(m, kind, state, FORWARDS[kind])
         if kind == "attention" and state.carrier == "interface":
             m.config = _attend.keyed(m.config)  # this module's own copy: upstream's lookup finds tfcompat's function

@@ -184,7 +184,9 @@ def _packed(self, state, a, step, changed):
     ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
     if "use_cache" in _signature(type(self)).parameters or "use_cache" in a:
         changed["use_cache"] = False  # no cache for a packed row: the configs' default would create one
-    if "attention_mask" in _signature(type(self)).parameters:
+    if state.masks is not None:  # the masks ready-made, none for any layer: upstream builds no (tokens, tokens) mask
+        changed["attention_mask"] = dict.fromkeys(state.masks)
+    elif "attention_mask" in _signature(type(self)).parameters:
         # an explicit all-ones mask keeps upstream mask builders from re-reading packed position ids
         # (some releases cannot parse 3-row ids there); the patched attention does not use it
         changed["attention_mask"] = torch.ones(tuple(ref.shape[:2]), dtype=torch.long, device=ref.device)
