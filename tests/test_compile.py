@@ -105,7 +105,7 @@ def test_per_layer_compile_compiles_like_upstream(name):
 #: the text families and one VL family (a text-only step's towers tie in without a graph break)
 WHOLE = [n for n in ("qwen2", "qwen2_5_vl") if n in patchable()]
 WHOLE_STEPS = 3
-#: torch 2.7's dynamo cannot build the step's carrier (a tuple subclass: ``_Carried``) inside the graph, so the
+#: torch 2.7's dynamo cannot build the step's carrier (a tuple subclass: ``_RotaryWithStep``) inside the graph, so the
 #: whole model compiles there only with graph breaks (fullgraph=False, eager-exact); measured on 2.7.1 and 2.13.0
 #: (2.8-2.12 are not in the matrix)
 FULLGRAPH = pytest.mark.skipif(tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 8),

@@ -33,7 +33,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from ._step import scope as _carrier
+from ._step import scope as _scope
 from .errors import PackingError
 
 __all__ = ["PackedBatch", "pack", "unpack", "packed", "current"]
@@ -164,7 +164,7 @@ def unpack(x: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
 
 def current() -> Any:
     """The innermost active ``(cu_seqlens, max_seqlen)``, or None."""
-    entry = _carrier.innermost(_carrier.Packed)
+    entry = _scope.innermost(_scope.Packed)
     return None if entry is None else (entry.cu, entry.max_len)
 
 
@@ -177,8 +177,8 @@ def packed(cu_seqlens: torch.Tensor, max_seqlen: Optional[int] = None) -> Iterat
         raise PackingError(f"packed: cu_seqlens must be a 1-D tensor (0, ..., total), got {cu_seqlens!r}")
     bounds = check_cu_seqlens(cu_seqlens, int(cu_seqlens[-1]), "packed: cu_seqlens")
     max_seqlen = check_longest(bounds, max_seqlen, "packed")
-    entry = _carrier.Packed(cu_seqlens, int(max_seqlen))
-    with _carrier.carry(entry):
+    entry = _scope.Packed(cu_seqlens, int(max_seqlen))
+    with _scope.carry(entry):
         yield
     if not entry.read:
         # fail closed: the block ran, and no model patched by this copy took the boundaries. A model patched by

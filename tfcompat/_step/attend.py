@@ -26,7 +26,7 @@ from .._kernels.rotation import Rotation, chosen_impl
 from .._probe import resolve as _resolve
 from .._probe.families import family as family_of
 from ..errors import PackingError, TfcompatError, UlyssesError
-from . import scope as _carrier
+from . import scope as _scope
 from .install import (
     _ATTR,
     _CACHE_NAMES,
@@ -116,7 +116,7 @@ def packed_attention(module, query, key, value, attention_mask, **kwargs):
     scale = kwargs.get("scaling")
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     dropout = kwargs.get("dropout", 0.0)
-    if state.group is not None or state.cgroup is not None:
+    if state.group is not None or state.context_group is not None:
         out = _attend_split(state, step, q, k, v, scale, dropout)
     else:
         out = _attend_row(step, q, k, v, scale, state.window, dropout)
@@ -187,15 +187,15 @@ def _attend_split(state, step, q, k, v, scale, dropout):
         q = to_heads(q, group)
         k = to_heads(repeat_kv_for_group(k, state.world), group)
         v = to_heads(repeat_kv_for_group(v, state.world), group)
-    if state.cgroup is not None:
+    if state.context_group is not None:
         # context parallel: this rank's chunks (after Ulysses: of its heads) attend the whole row's K/V
         from .._kernels.context import attend, pieces
 
         if "context" not in step.memo:  # once per step: Python ints only
             import torch.distributed as dist
 
-            step.memo["context"] = pieces(step, dist.get_rank(state.cgroup), state.cworld, q.shape[0])
-        out = attend(q, k, v, step, step.memo["context"], state.cgroup, scale=scale, window=state.window,
+            step.memo["context"] = pieces(step, dist.get_rank(state.context_group), state.context_world, q.shape[0])
+        out = attend(q, k, v, step, step.memo["context"], state.context_group, scale=scale, window=state.window,
                      dropout_p=dropout)
     else:
         out = _attend_row(step, q, k, v, scale, state.window, dropout)
@@ -219,8 +219,8 @@ def attention_forward(self, *args, **kwargs):
     pe = _carried(args, kwargs)
     hidden = args[0] if args else kwargs.get("hidden_states")
     if pe is None or hidden is None:
-        if state.group is None and state.cgroup is None and not state.group_lost and \
-                not isinstance(_carrier.call_entry(), _carrier.Active):
+        if state.group is None and state.context_group is None and not state.group_lost and \
+                not isinstance(_scope.call_entry(), _scope.RunningStep):
             saved = state.saved_forward  # not packed, not split: upstream's attention, unchanged
             return saved(*args, **kwargs) if saved is not None else type(self).forward(self, *args, **kwargs)
         return _attention_unpacked(self, state, args, kwargs)
@@ -255,7 +255,7 @@ def attention_forward(self, *args, **kwargs):
     q, k, v = q.squeeze(0).transpose(0, 1), k.squeeze(0).transpose(0, 1), v.squeeze(0)
     dropout = self.attention_dropout if self.training else 0.0
     scale = getattr(self, "scaling", None) or d ** -0.5
-    if state.group is not None or state.cgroup is not None:
+    if state.group is not None or state.context_group is not None:
         out = _attend_split(state, step, q, k, v, scale, dropout)
     else:
         out = _attend_row(step, q, k, v, scale, state.window, dropout)
@@ -281,8 +281,8 @@ def _attention_unpacked(self, state, args, kwargs):
     if _in_step():
         raise _lost_step(state, self, "the keyword arguments" if state.rides else "the position embeddings")
     if state.split() or state.group_lost:
-        a = _arguments(self, args, kwargs)
-        if a is not None and not any(a.get(n) is not None for n in _CACHE_NAMES):
+        given = _arguments(self, args, kwargs)
+        if given is not None and not any(given.get(n) is not None for n in _CACHE_NAMES):
             raise UlyssesError(f"tfcompat {state.family}: a Ulysses- or context-parallel-patched attention was "
                                f"called outside a patched text model step; call the model (or its text model), "
                                f"not the layer")

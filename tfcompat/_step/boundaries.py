@@ -150,7 +150,7 @@ def find_step(state, group, explicit, position_ids, mask, batch, local, device, 
     """The step's boundaries, or None for an input that is not packed (and no Ulysses group): eagerly (under
     torch.compile the text model asks :func:`.traced.traced_step`). ``cached``: the call carries a KV cache (read
     by the traced step only, where a row is not read eagerly)."""
-    world = state.world * state.cworld if group is not None else 1
+    world = state.world * state.context_world if group is not None else 1
     total = local * world
     row = local
     if group is not None and state.slice_inputs:

@@ -10,17 +10,17 @@ from __future__ import annotations
 from .._probe import resolve as _resolve
 from .._probe.families import family as family_of
 from ..errors import PackingError, RopeShapeError, TfcompatError
-from . import scope as _carrier
+from . import scope as _scope
 from .install import (
     _ATTR,
     _CACHE_NAMES,
     _FLASH_KWARGS,
     _STEP,
-    _Carried,
     _carried,
     _in_step,
     _lost_step,
     _original,
+    _RotaryWithStep,
     _signature,
     _StepMask,
 )
@@ -29,10 +29,10 @@ from .install import (
 def rotary_forward(self, *args, **kwargs):
     state = getattr(self, _ATTR)
     out = _original(self, state, *args, **kwargs)
-    entry = _carrier.call_entry()
-    if isinstance(entry, _carrier.Active) and isinstance(out, tuple):
+    entry = _scope.call_entry()
+    if isinstance(entry, _scope.RunningStep) and isinstance(out, tuple):
         check_cos(state.family, *out)  # once per step: the per-layer rotation trusts this layout
-        out = _Carried(out)
+        out = _RotaryWithStep(out)
         out.step, out.rotations = entry.step, {}
     return out
 
@@ -41,7 +41,7 @@ def layer_forward(self, *args, **kwargs):
     state = getattr(self, _ATTR)
     pe = _carried(args, kwargs)
     if pe is None:
-        if isinstance(_carrier.call_entry(), _carrier.Active):  # a tripwire: the step's carrier was lost
+        if isinstance(_scope.call_entry(), _scope.RunningStep):  # a tripwire: the step's carrier was lost
             raise TfcompatError(
                 f"tfcompat {state.family}: {type(self).__name__} did not receive the position embeddings of this "
                 f"packed step, so it cannot tell where sequences begin; a wrapper or pre-hook around the decoder layer "
@@ -77,14 +77,14 @@ def linear_forward(self, hidden_states, *args, **kwargs):
     state = getattr(self, _ATTR)
     step, carrier = kwargs.pop(_STEP, None), None  # the layer's kwargs carry it (the interface route)
     if step is None:
-        carrier = _carrier.first((v for v in (*args, *kwargs.values()) if isinstance(v, _StepMask)), None)
+        carrier = _scope.first((v for v in (*args, *kwargs.values()) if isinstance(v, _StepMask)), None)
         step = carrier.step if carrier is not None else None
     if step is None:
         if _in_step():
             raise _lost_step(state, self, "the keyword arguments" if state.rides else "the attention mask")
         return _original(self, state, hidden_states, *args, **kwargs)
     args = tuple(None if v is carrier else v for v in args)
-    cache = _carrier.first((kwargs[n] for n in _CACHE_NAMES if kwargs.get(n) is not None), args[0] if args else None)
+    cache = _scope.first((kwargs[n] for n in _CACHE_NAMES if kwargs.get(n) is not None), args[0] if args else None)
     if cache is not None or hidden_states.shape[0] != 1:
         raise PackingError(f"tfcompat {state.family}: the packed linear attention takes batch 1 and no cache")
     kwargs = {k: v for k, v in kwargs.items() if k not in _FLASH_KWARGS + ("position_ids", "attention_mask")}

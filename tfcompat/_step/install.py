@@ -27,13 +27,13 @@ class _State:
     """Per patched module. Picklable and deep-copyable: a copy shares the (unpicklable) process group;
     a pickled copy forgets it and asks to be patched again before a Ulysses step."""
 
-    calls, rides = None, False  # class defaults: a state pickled before these existed reads them
+    calls, rides, context_group, context_world = None, False, None, 1  # for states pickled before these existed
     masks = None  # the text model: the layer types whose masks a packed step hands as None (CarrierPlan.masks_by_type)
 
     def __init__(self, kind, family, remove_padding, group, world, saved_forward=None, dummy_visual=True,
-                 slice_inputs=False, cgroup=None, cworld=1):
+                 slice_inputs=False, context_group=None, context_world=1):
         self.kind, self.family, self.remove_padding = kind, family, remove_padding
-        self.cgroup, self.cworld = cgroup, cworld  # context parallel: zigzag chunks of the row (or Ulysses's)
+        self.context_group, self.context_world = context_group, context_world  # context parallel: zigzag chunks
         self.slice_inputs = slice_inputs  # Ulysses: every rank passes the whole row; the text model slices it
         self.dummy_visual = dummy_visual
         self.section = None  # attention modules: mRoPE sections, read from the config once at patch time
@@ -57,8 +57,8 @@ class _State:
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        if state["group"] is not None or state.get("cgroup") is not None:
-            state["group"], state["cgroup"], state["group_lost"] = None, None, True
+        if state["group"] is not None or state.get("context_group") is not None:
+            state["group"], state["context_group"], state["group_lost"] = None, None, True
         state["restored"] = True
         state["calls"] = None
         return state
@@ -68,8 +68,8 @@ class _State:
         out = {}
         if self.group is not None:
             out["group"] = self.group
-        if self.cgroup is not None:
-            out["context_group"] = self.cgroup
+        if self.context_group is not None:
+            out["context_group"] = self.context_group
         return out
 
     def group_or_raise(self):
@@ -105,7 +105,7 @@ class _PatchedForward:
         return f"<tfcompat patched {self.kind} forward of {type(self.module).__name__}>"
 
 
-class _Carried(tuple):
+class _RotaryWithStep(tuple):
     """``(cos, sin)`` that also carries the step's boundaries down to the layers, and the rotations the layers
     prepared from them (:func:`.attend.for_layers`, keyed by the (q, k) layout)."""
 
@@ -116,7 +116,7 @@ class _Carried(tuple):
 class _StepMask:
     """What a decoder layer that holds a linear-attention mixer passes as ``attention_mask`` in a packed step:
     the step's boundaries, handed to the mixer through its own call, so a checkpoint wrapper around the mixer
-    alone replays the call with them (the full-attention mixers get theirs through ``_Carried``)."""
+    alone replays the call with them (the full-attention mixers get theirs through ``_RotaryWithStep``)."""
 
     def __init__(self, step):
         self.step = step
@@ -125,11 +125,11 @@ class _StepMask:
         return f"<tfcompat packed-step boundaries {list(self.step.bounds)}>"
 
 
-def _remember_explicit(state, ref, explicit):
-    """The boundaries a top-level call handed (through the scope) to this module (``state``'s) for its input ``ref``:
-    kept on the module's own state, weakly keyed by that input, for a checkpoint wrapper around the module
-    (``checkpoint_wrapper(model.model)``) whose recomputation replays the module's call in backward, outside the
-    top-level call. Per module: another model, or another copy of tfcompat, never reads them."""
+def _remember_explicit(state, inputs, explicit):
+    """The boundaries a top-level call handed (through the scope) to this module (``state``'s) for its ``inputs``
+    (input ids or embeddings): kept on the module's own state, weakly keyed by them, for a checkpoint wrapper around
+    the module (``checkpoint_wrapper(model.model)``) whose recomputation replays the module's call in backward,
+    outside the top-level call. Per module: another model, or another copy of tfcompat, never reads them."""
     import torch
 
     if torch.compiler.is_compiling():
@@ -138,25 +138,25 @@ def _remember_explicit(state, ref, explicit):
         from torch.utils.weak import WeakIdKeyDictionary
 
         state.calls = WeakIdKeyDictionary()
-    state.calls[ref] = explicit
+    state.calls[inputs] = explicit
 
 
-def _recalled_explicit(state, ref):
+def _recalled_explicit(state, inputs):
     """The boundaries of this module's forward call being recomputed in backward with this same input, or None."""
     import torch
 
-    if state.calls is None or ref is None or torch.compiler.is_compiling() or \
+    if state.calls is None or inputs is None or torch.compiler.is_compiling() or \
             torch._C._current_graph_task_id() == -1:
         return None
-    return state.calls.get(ref)
+    return state.calls.get(inputs)
 
 
 # ----------------------------------------------------------------------------------- helpers
-def decoding(a):
+def decoding(given):
     """Whether a call (its arguments by name) is generate()'s: a KV cache, or ``cache_position`` with caching (5.0-5.2's
     prefill, which creates the cache). The one reading of it: the text model, the vision owner and the labels."""
-    return any(a.get(n) is not None for n in _CACHE_NAMES) or \
-        (a.get("cache_position") is not None and a.get("use_cache") is not False)
+    return any(given.get(n) is not None for n in _CACHE_NAMES) or \
+        (given.get("cache_position") is not None and given.get("use_cache") is not False)
 
 
 def _original(module, state, *args, **kwargs):
@@ -329,9 +329,9 @@ def _carried(args, kwargs):
     something rebuilt the tuple as its own class without the step (FSDP2's input cast does ``type(x)(...)``)."""
     pe = kwargs.get("position_embeddings")
     if "position_embeddings" in kwargs:
-        return pe if isinstance(pe, _Carried) and pe.step is not None else None
+        return pe if isinstance(pe, _RotaryWithStep) and pe.step is not None else None
     for v in (*args, *kwargs.values()):
-        if isinstance(v, _Carried):
+        if isinstance(v, _RotaryWithStep):
             return v if v.step is not None else None
     return None
 

@@ -11,7 +11,7 @@ do not interfere):
   model adds the step to them under this copy's own keyword, checkpoint recomputation replays it, and neither the
   rotary module nor the layers below are patched. Elsewhere:
 * its rotary module: in a packed step, the ``(cos, sin)`` it returns is a tuple that also
-  carries the step's boundaries (:class:`_Carried`). Decoder layers hand that tuple down
+  carries the step's boundaries (:class:`_RotaryWithStep`). Decoder layers hand that tuple down
   unchanged, and activation-checkpoint recomputation replays the layer call with the same
   tuple, so boundaries travel *with the call*, never through state recomputation cannot see;
 * every decoder layer: finds the boundaries in its arguments (refuses a call that lost them);
@@ -112,11 +112,11 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
     module = resolutions[2].target
     classes = (getattr(module, plan.text_model), getattr(module, fam.attention), getattr(module, fam.rotary),
                getattr(module, plan.linear_attention) if plan.linear_attention else None)
-    world, cworld = _group_sizes(fam, config, classes[3], ulysses_group, context_group, slice_inputs)
+    world, context_world = _group_sizes(fam, config, classes[3], ulysses_group, context_group, slice_inputs)
     split = remove_padding or ulysses_group is not None or context_group is not None
     targets = _targets(model, fam, classes, split, resolutions[0].transformers)
     state_of = dict(remove_padding=remove_padding, group=ulysses_group, world=world, dummy_visual=dummy_visual,
-                    slice_inputs=slice_inputs, cgroup=context_group, cworld=cworld)
+                    slice_inputs=slice_inputs, context_group=context_group, context_world=context_world)
     from .._probe.window import layer_windows
 
     attention_targets = [m for m, kind in targets if kind == "attention"]
@@ -132,7 +132,8 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
     n_attn = sum(kind == "attention" for _, kind in targets)
     n_lin = sum(kind == "linear" for _, kind in targets)
     record = PatchRecord(fam.name, classes[0].__name__, n_attn, n_lin, remove_padding, world, resolutions,
-                         tuple(windows[id(m)] for m, kind in targets if kind == "attention"), windows_how, cworld)
+                         tuple(windows[id(m)] for m, kind in targets if kind == "attention"), windows_how,
+                         context_world)
     if targets:
         model.__dict__[_MODEL_ATTR] = record
         _top.install_generation_positions(model, fam)
@@ -172,7 +173,7 @@ def _family_of_model(model):
 
 def _group_sizes(fam, config, linear_cls, ulysses_group, context_group, slice_inputs):
     """(Ulysses world, context world), the groups checked against the model."""
-    world = cworld = 1
+    world = context_world = 1
     if slice_inputs and ulysses_group is None and context_group is None:
         raise UlyssesError("tfcompat.patch: slice_inputs=True slices a whole row over the Ulysses (or context) "
                            "group; pass ulysses_group=group or context_group=group with it (or leave it off)")
@@ -183,7 +184,7 @@ def _group_sizes(fam, config, linear_cls, ulysses_group, context_group, slice_in
             raise UlyssesError(f"context parallel: {fam.name} has linear-attention (Gated DeltaNet) layers whose "
                                f"recurrent state runs along the sequence from rank to rank; tfcompat does not pass "
                                f"it between ranks yet; use context_group=None")
-        cworld = dist.get_world_size(context_group)
+        context_world = dist.get_world_size(context_group)
     if ulysses_group is not None:
         import torch.distributed as dist
 
@@ -197,7 +198,7 @@ def _group_sizes(fam, config, linear_cls, ulysses_group, context_group, slice_in
         if linear_cls is not None:
             raise UlyssesError(f"Ulysses: {fam.name} has linear-attention (Gated DeltaNet) layers whose recurrence "
                                f"runs along the sequence; they cannot be split by Ulysses; use ulysses_group=None")
-    return world, cworld
+    return world, context_world
 
 
 def _targets(model, fam, classes, split, release):
@@ -269,7 +270,7 @@ def _install_all(model, fam, targets, state_of, linear_cls, resolutions, windows
         st = _patched_as(m)
         return st is not None and st.kind == kind and st.remove_padding == state_of["remove_padding"] and \
             st.group is state_of["group"] and not st.group_lost and st.dummy_visual == state_of["dummy_visual"] and \
-            st.slice_inputs == state_of["slice_inputs"] and st.cgroup is state_of["cgroup"]
+            st.slice_inputs == state_of["slice_inputs"] and st.context_group is state_of["context_group"]
 
     # the interface route where the text model's kwargs reach every mixer: the step rides there, so neither the
     # rotary module nor the decoder layers are patched
@@ -284,7 +285,7 @@ def _install_all(model, fam, targets, state_of, linear_cls, resolutions, windows
     for m, kind in targets:
         state = _State(kind, fam.name, state_of["remove_padding"], state_of["group"], state_of["world"],
                        dummy_visual=state_of["dummy_visual"], slice_inputs=state_of["slice_inputs"],
-                       cgroup=state_of["cgroup"], cworld=state_of["cworld"])
+                       context_group=state_of["context_group"], context_world=state_of["context_world"])
         if kind == "linear":
             state.rides = riding
         if kind == "layer" and linear_cls is not None:

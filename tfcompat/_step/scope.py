@@ -1,9 +1,9 @@
 """The one carrier of a call's packed-step facts down the model: a thread-local stack of typed entries.
 
-* :class:`Named`: the boundaries a call named (the flash-attn keyword arguments the model ``patch()`` was given
+* :class:`CallBoundaries`: the boundaries a call named (the flash-attn keyword arguments the model ``patch()`` was given
   took out of upstream's call, handed to its text model);
 * :class:`Packed`: ``tfcompat.packing.packed(cu, max_len)``, boundaries for every patched call in the block;
-* :class:`Active`: the packed step being run (the rotary module hands it to the layers on its output; the
+* :class:`RunningStep`: the packed step being run (the rotary module hands it to the layers on its output; the
   layers read it from their own arguments, this entry is only a tripwire for a layer that lost it).
 
 The layers never read this stack: what they need rides in their call's arguments (a checkpoint's recomputation
@@ -20,7 +20,7 @@ FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"
 _local = threading.local()
 
 
-class Named:
+class CallBoundaries:
     __slots__ = ("kwargs",)
 
     def __init__(self, kwargs):
@@ -37,7 +37,7 @@ class Packed:
         self.read = 0
 
 
-class Tied:
+class TowersZero:
     """A text-only VL step traced by torch.compile: the towers' zero term, added by the text model to its input
     embeddings (a forward hook on the embedding cannot be traced)."""
 
@@ -47,7 +47,7 @@ class Tied:
         self.zero = zero
 
 
-class Active:
+class RunningStep:
     __slots__ = ("step",)
 
     def __init__(self, step):
@@ -79,22 +79,22 @@ def packed_boundaries():
 
 
 def call_entry():
-    """The innermost Named or Active entry (what the call being run was handed), or None."""
+    """The innermost CallBoundaries or RunningStep entry (what the call being run was handed), or None."""
     for entry in reversed(getattr(_local, "stack", ()) or ()):
-        if not isinstance(entry, (Packed, Tied)):
+        if not isinstance(entry, (Packed, TowersZero)):
             return entry
     return None
 
 
 def named():
-    """The boundaries the enclosing call named (a dict), or None where the innermost call entry is not Named."""
+    """The boundaries the enclosing call named (a dict), or None where the innermost call entry is not theirs."""
     entry = call_entry()
-    return entry.kwargs if isinstance(entry, Named) else None
+    return entry.kwargs if isinstance(entry, CallBoundaries) else None
 
 
 def in_step():
     """True inside a patched text model's packed step (this thread)."""
-    return isinstance(call_entry(), Active)
+    return isinstance(call_entry(), RunningStep)
 
 
 class carry:

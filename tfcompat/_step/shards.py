@@ -15,20 +15,20 @@ if TYPE_CHECKING:
     import torch
 
 
-def _fingerprint(ref, position_ids):
+def _fingerprint(inputs, position_ids):
     """Two numbers that differ between a rank's slice and its neighbour's (weighted sums of the ids, or of the
     first embedding channel, and of the positions); equal on every rank only when every rank holds one row."""
     import torch
 
-    n = ref.shape[1]
-    w = torch.arange(1, n + 1, dtype=torch.float64, device=ref.device)
-    first = ref[0] if ref.dim() == 2 else ref[0, :, 0]
+    n = inputs.shape[1]
+    w = torch.arange(1, n + 1, dtype=torch.float64, device=inputs.device)
+    first = inputs[0] if inputs.dim() == 2 else inputs[0, :, 0]
     pos = position_ids.reshape(-1, n).to(torch.float64) @ w if position_ids is not None and \
-        position_ids.shape[-1] == n else torch.zeros(1, dtype=torch.float64, device=ref.device)
+        position_ids.shape[-1] == n else torch.zeros(1, dtype=torch.float64, device=inputs.device)
     return torch.stack(((first.detach().to(torch.float64) @ w), pos.sum()))
 
 
-def check_shards(state, groups, local, batch, ref=None, position_ids=None, whole=False, named=False):
+def check_shards(state, groups, local, batch, inputs=None, position_ids=None, whole=False, named=False):
     """:func:`check_ulysses_lengths` over each of the model's sequence groups, decided alike on every rank of
     their mesh: on a 2-D mesh (context x Ulysses) one group can see a problem its crossing groups cannot, so a
     one-float all-reduce over each group carries any refusal to every rank (none would wait in a collective for
@@ -37,11 +37,11 @@ def check_shards(state, groups, local, batch, ref=None, position_ids=None, whole
     import torch.distributed as dist
 
     groups = list(groups)
-    errors = [check_ulysses_lengths(local, batch, g, state, ref, position_ids, whole, named, raise_=False)
+    errors = [check_ulysses_lengths(local, batch, g, state, inputs, position_ids, whole, named, raise_=False)
               for g in groups]
     mine = first((e for e in errors if e is not None), None)
     if len(groups) > 1:
-        flag = torch.tensor([0.0 if mine is None else 1.0], device=ref.device if ref is not None else None)
+        flag = torch.tensor([0.0 if mine is None else 1.0], device=inputs.device if inputs is not None else None)
         if dist.get_backend(groups[0]) == "nccl":
             flag = flag.cuda()
         for g in groups:
@@ -53,14 +53,14 @@ def check_shards(state, groups, local, batch, ref=None, position_ids=None, whole
         raise mine
 
 
-def check_ulysses_lengths(local, batch, group, state, ref=None, position_ids=None, whole=False, named=False,
+def check_ulysses_lengths(local, batch, group, state, inputs=None, position_ids=None, whole=False, named=False,
                           raise_=True):
     """Every rank holds an equal slice (or, with ``whole``, the same whole row); one small collective per step.
     ``named``: the call names the whole row's boundaries, whose length tells a slice from a whole row (slices
     of equal content, e.g. the same sequence twice, are no mistake then). Without ``raise_``, the error is
     returned (None when there is none)."""
     try:
-        _check_ulysses_lengths(local, batch, group, state, ref, position_ids, whole, named)
+        _check_ulysses_lengths(local, batch, group, state, inputs, position_ids, whole, named)
     except UlyssesError as exc:
         if raise_:
             raise
@@ -68,7 +68,7 @@ def check_ulysses_lengths(local, batch, group, state, ref=None, position_ids=Non
     return None
 
 
-def _check_ulysses_lengths(local, batch, group, state, ref, position_ids, whole, named):
+def _check_ulysses_lengths(local, batch, group, state, inputs, position_ids, whole, named):
     import torch
     import torch.distributed as dist
 
@@ -77,9 +77,9 @@ def _check_ulysses_lengths(local, batch, group, state, ref, position_ids, whole,
     if batch != 1:
         raise UlyssesError(f"tfcompat {state.family}: Ulysses needs one packed row per rank (batch 1), got batch "
                            f"{batch}; pack the micro-batch (tfcompat.packing.pack) before slicing it")
-    mine = torch.tensor([float(local)], dtype=torch.float64, device=ref.device if ref is not None else None)
-    if ref is not None:
-        mine = torch.cat((mine, _fingerprint(ref, position_ids).to(mine.device)))
+    mine = torch.tensor([float(local)], dtype=torch.float64, device=inputs.device if inputs is not None else None)
+    if inputs is not None:
+        mine = torch.cat((mine, _fingerprint(inputs, position_ids).to(mine.device)))
     if dist.get_backend(group) == "nccl":
         mine = mine.cuda()
     seen = all_gather(mine, group)  # equal shapes on every rank
@@ -90,7 +90,7 @@ def _check_ulysses_lengths(local, batch, group, state, ref, position_ids, whole,
                            f"{what}; " + ("pass the same packed row on every rank (patched with slice_inputs=True)"
                                           if whole else "cut the row with tfcompat.ulysses.slice_for_rank (it pads "
                                                         "the end)"))
-    if ref is None or len(seen) < 2:
+    if inputs is None or len(seen) < 2:
         return
     same = all(torch.equal(seen[0], x) for x in seen[1:])
     if whole and not same:
@@ -106,31 +106,31 @@ def _check_ulysses_lengths(local, batch, group, state, ref, position_ids, whole,
                            f"the row per rank (tfcompat.ulysses.slice_for_rank / slice_inputs)")
 
 
-def slice_whole_row(module, state, a, explicit):
+def slice_whole_row(module, state, given, explicit):
     """``slice_inputs=True``: the text model got the whole packed row on every rank (verl's VLM call); embed it
     (if ids) and keep this rank's slice of the embeddings, positions and Qwen3-VL's vision rows."""
-    embeds = a.get("inputs_embeds")
+    embeds = given.get("inputs_embeds")
     if embeds is None:
-        embeds = module.get_input_embeddings()(a["input_ids"])
+        embeds = module.get_input_embeddings()(given["input_ids"])
     batch, total = embeds.shape[:2]
-    position_ids = a.get("position_ids")
+    position_ids = given.get("position_ids")
     if position_ids is None:
         cu = explicit.get("cu_seq_lens_q", explicit.get("cu_seq_lens_k"))
         position_ids = positions_of(cu, total, embeds.device)
     if position_ids.shape[-1] != total:
         raise UlyssesError(f"tfcompat {state.family}: position ids of shape {tuple(position_ids.shape)} for a whole "
                            f"row of {total} tokens; pass the whole row's positions on every rank")
-    mask = a.get("attention_mask")
+    mask = given.get("attention_mask")
     if mask is not None and hasattr(mask, "dim") and mask.dim() == 2 and not bool(mask.bool().all()):
         raise UlyssesError(f"tfcompat {state.family}: a whole row with padding in attention_mask; pack the rows "
                            f"(tfcompat.packing.pack) and pass the packed row with no mask")
     check_shards(state, state.split().values(), total, batch, embeds, position_ids, whole=True)
-    extra = {k: a.get(k) for k in ("visual_pos_masks", "deepstack_visual_embeds") if a.get(k) is not None}
+    extra = {k: given.get(k) for k in ("visual_pos_masks", "deepstack_visual_embeds") if given.get(k) is not None}
     local = slice_inputs(embeds, position_ids, **state.split(), **extra)
-    a.update(local, input_ids=None, attention_mask=None)
-    if "cache_position" in a:
-        a["cache_position"] = None  # upstream counts it from the slice
-    return a
+    given.update(local, input_ids=None, attention_mask=None)
+    if "cache_position" in given:
+        given["cache_position"] = None  # upstream counts it from the slice
+    return given
 
 
 def shard_positions(state, explicit, position_ids, local, device, rows=2):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..errors import PackingError, UlyssesError
 from . import boundaries as _boundaries
 from . import labels as _labels
-from . import scope as _carrier
+from . import scope as _scope
 from . import shards as _shards
 from .install import (
     _ATTR,
@@ -31,14 +31,14 @@ def top_forward(self, *args, **kwargs):
     state = getattr(self, _ATTR)
     _labels.refuse_whole_row_labels(state, kwargs)
     _labels.packed_labels(state, kwargs)
-    return _with_explicit(lambda *a, **k: _original(self, state, *a, **k), args, kwargs)
+    return _with_explicit(lambda *given, **k: _original(self, state, *given, **k), args, kwargs)
 
 
 def vl_top_forward(self, *args, **kwargs):
     """Both: the model patch() was given also owns the vision tower (4.51 ForConditionalGeneration)."""
     _labels.refuse_whole_row_labels(getattr(self, _ATTR), kwargs)
     _labels.packed_labels(getattr(self, _ATTR), kwargs)
-    return _with_explicit(lambda *a, **k: vl_forward(self, *a, **k), args, kwargs)
+    return _with_explicit(lambda *given, **k: vl_forward(self, *given, **k), args, kwargs)
 
 
 def _traced_tower_zero(owner, state, vision, audio):
@@ -71,7 +71,7 @@ def _with_explicit(run, args, kwargs):
     explicit = {k: kwargs.pop(k) for k in _FLASH_KWARGS if k in kwargs}
     if not explicit:
         return run(*args, **kwargs)
-    with _carrier.carry(_carrier.Named(explicit)):
+    with _scope.carry(_scope.CallBoundaries(explicit)):
         return run(*args, **kwargs)
 
 
@@ -87,43 +87,43 @@ def vl_forward(self, *args, **kwargs):
     import torch
 
     state = getattr(self, _ATTR)
-    a = _arguments(self, args, kwargs)
-    if a is None:
+    given = _arguments(self, args, kwargs)
+    if given is None:
         return _original(self, state, *args, **kwargs)  # upstream says what is wrong with the call
-    entry = _carrier.call_entry()
-    ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
-    if isinstance(entry, _carrier.Named) and torch.is_grad_enabled():
-        _remember_explicit(state, ref, entry.kwargs)
-    elif entry is None and (found := _recalled_explicit(state, ref)) is not None:
-        with _carrier.carry(_carrier.Named(found)):  # a checkpoint's recomputation of this call: the same boundaries
+    entry = _scope.call_entry()
+    inputs = given.get("input_ids") if given.get("input_ids") is not None else given.get("inputs_embeds")
+    if isinstance(entry, _scope.CallBoundaries) and torch.is_grad_enabled():
+        _remember_explicit(state, inputs, entry.kwargs)
+    elif entry is None and (found := _recalled_explicit(state, inputs)) is not None:
+        with _scope.carry(_scope.CallBoundaries(found)):  # a checkpoint recomputing this call: same boundaries
             return vl_forward(self, *args, **kwargs)
-    pixels = a.get("pixel_values") is not None or a.get("pixel_values_videos") is not None
-    is_decoding = decoding(a)
+    pixels = given.get("pixel_values") is not None or given.get("pixel_values_videos") is not None
+    is_decoding = decoding(given)
     if state.split() and not state.slice_inputs and not is_decoding:  # generate(): each rank its own prompts
-        args, kwargs = (), _vl_shard(self, state, a, pixels)
-    elif not pixels and a.get("position_ids") is None and _row_positions(state, a) is not None:
-        args, kwargs = (), a
-    elif not pixels and not is_decoding and a.get("position_ids") is None and a.get("input_ids") is None and \
-            a.get("attention_mask") is None and a.get("inputs_embeds") is not None:
+        args, kwargs = (), _vl_shard(self, state, given, pixels)
+    elif not pixels and given.get("position_ids") is None and _row_positions(state, given) is not None:
+        args, kwargs = (), given
+    elif not pixels and not is_decoding and given.get("position_ids") is None and given.get("input_ids") is None and \
+            given.get("attention_mask") is None and given.get("inputs_embeds") is not None:
         # text embeddings alone: the positions count over the row, as upstream counts them from input_ids (the
         # releases up to 5.0 read input_ids' shape for them and fail on embeddings alone)
-        embeds = a["inputs_embeds"]
-        a["position_ids"] = torch.arange(embeds.shape[1], device=embeds.device).expand(3, embeds.shape[0], -1)
-        args, kwargs = (), a
-    if pixels and a.get("input_ids") is not None and a["input_ids"].shape[0] == 1 and \
+        embeds = given["inputs_embeds"]
+        given["position_ids"] = torch.arange(embeds.shape[1], device=embeds.device).expand(3, embeds.shape[0], -1)
+        args, kwargs = (), given
+    if pixels and given.get("input_ids") is not None and given["input_ids"].shape[0] == 1 and \
             (not state.split() or state.slice_inputs):  # this rank holds the whole row
-        explicit = _carrier.named() or {}
-        check_vision_in_packed_row(self, state.family, a, explicit)
-    if pixels and a.get("input_ids") is not None and a.get("mm_token_type_ids") is None and \
+        explicit = _scope.named() or {}
+        check_vision_in_packed_row(self, state.family, given, explicit)
+    if pixels and given.get("input_ids") is not None and given.get("mm_token_type_ids") is None and \
             "mm_token_type_ids" in _signature(type(self)).parameters:
         from .tokens import mm_token_type_ids
 
-        a["mm_token_type_ids"] = mm_token_type_ids(self.config, a["input_ids"])
-        args, kwargs = (), a
-    return _with_unfed_towers(self, state, a, args, kwargs, pixels)
+        given["mm_token_type_ids"] = mm_token_type_ids(self.config, given["input_ids"])
+        args, kwargs = (), given
+    return _with_unfed_towers(self, state, given, args, kwargs, pixels)
 
 
-def _with_unfed_towers(self, state, a, args, kwargs, pixels):
+def _with_unfed_towers(self, state, given, args, kwargs, pixels):
     """Upstream's call, with every tower this batch does not feed run on a dummy input and tied to the embeddings by
     a zero (an omni thinker's audio tower on a batch with images too): DDP/FSDP need the same parameters to get
     gradients on every rank. Only in training with ``dummy_visual``."""
@@ -131,7 +131,7 @@ def _with_unfed_towers(self, state, a, args, kwargs, pixels):
 
     from .dummy import dummy_audio_zero, dummy_visual_zero, has_audio_tower, tie_zero
 
-    audio = has_audio_tower(self) and a.get("input_features") is None
+    audio = has_audio_tower(self) and given.get("input_features") is None
     if (pixels and not audio) or not state.dummy_visual or not (self.training and torch.is_grad_enabled()):
         return _original(self, state, *args, **kwargs)
     if torch.compiler.is_compiling():
@@ -140,11 +140,11 @@ def _with_unfed_towers(self, state, a, args, kwargs, pixels):
         zero = dummy_visual_zero(self) if not pixels else None
         if audio:
             zero = dummy_audio_zero(self) if zero is None else zero + dummy_audio_zero(self)
-    if a.get("inputs_embeds") is not None:
-        a["inputs_embeds"] = tie_zero(a["inputs_embeds"], zero)
-        return _original(self, state, **a)
+    if given.get("inputs_embeds") is not None:
+        given["inputs_embeds"] = tie_zero(given["inputs_embeds"], zero)
+        return _original(self, state, **given)
     if torch.compiler.is_compiling():  # the patched text model adds it to the embeddings it is handed
-        with _carrier.carry(_carrier.Tied(zero)):
+        with _scope.carry(_scope.TowersZero(zero)):
             return _original(self, state, *args, **kwargs)
     hook = self.get_input_embeddings().register_forward_hook(lambda m, i, out: tie_zero(out, zero))
     try:
@@ -153,30 +153,30 @@ def _with_unfed_towers(self, state, a, args, kwargs, pixels):
         hook.remove()
 
 
-def _row_positions(state, a):
+def _row_positions(state, given):
     """A whole text-only VL row with boundaries (cu_seq_lens_q/k, seq_idx, tfcompat.packing.packed) and no position ids:
     upstream would count the mRoPE positions over the row as one sequence; they count from 0 in every sequence
-    of the boundaries instead (3 equal rows, as for text tokens), set in ``a``. None where nothing is set."""
-    explicit = _carrier.named() or {}
-    ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
+    of the boundaries instead (3 equal rows, as for text tokens), set in ``given``. None where nothing is set."""
+    explicit = _scope.named() or {}
+    inputs = given.get("input_ids") if given.get("input_ids") is not None else given.get("inputs_embeds")
     cu = _boundaries.explicit_cu(explicit)
     seq_idx = explicit.get("seq_idx")
-    if cu is None and ref is not None and getattr(seq_idx, "shape", None) == (1, ref.shape[1]):
-        cu = _boundaries.cu_from_seq_idx(seq_idx, 1, ref.shape[1])  # DataCollatorWithFlattening(return_seq_idx)
-    if ref is None or cu is None or ref.shape[0] != 1 or cu.dim() != 1 or cu.numel() < 2 or \
+    if cu is None and inputs is not None and getattr(seq_idx, "shape", None) == (1, inputs.shape[1]):
+        cu = _boundaries.cu_from_seq_idx(seq_idx, 1, inputs.shape[1])  # DataCollatorWithFlattening(return_seq_idx)
+    if inputs is None or cu is None or inputs.shape[0] != 1 or cu.dim() != 1 or cu.numel() < 2 or \
             cu.dtype.is_floating_point:
         return None  # not a whole packed row: the text model names what is wrong, if anything
     import torch
 
     # eagerly a row the boundaries do not cover is left to the text model's refusal; traced, no host read: the
     # text model's traced step checks the boundaries against the row inside the graph
-    if not torch.compiler.is_compiling() and int(cu[-1]) != ref.shape[1]:
+    if not torch.compiler.is_compiling() and int(cu[-1]) != inputs.shape[1]:
         return None
-    a["position_ids"] = _boundaries.positions_of(cu, ref.shape[1], ref.device)[None].expand(3, 1, -1)
-    return a["position_ids"]
+    given["position_ids"] = _boundaries.positions_of(cu, inputs.shape[1], inputs.device)[None].expand(3, 1, -1)
+    return given["position_ids"]
 
 
-def _vl_shard(self, state, a, pixels):
+def _vl_shard(self, state, given, pixels):
     """This rank's slice of a VL row under a sequence-parallel group (the model was not told to slice): the
     vision tower cannot serve a slice, and upstream would count the mRoPE positions from the slice's first
     token; the positions come from the whole row's boundaries, or the call is refused."""
@@ -187,34 +187,35 @@ def _vl_shard(self, state, a, pixels):
             f"with tfcompat.patch(model, ..., slice_inputs=True) and pass the whole row (ids, positions, pixels) on "
             f"every rank, or embed the whole row (tfcompat.embeds.get_input_embeds) and pass this rank's share to "
             f"the text model (tfcompat.ulysses.slice_inputs)")
-    if a.get("position_ids") is None:
-        explicit = _carrier.named() or {}
-        ref = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
-        if ref is not None:
-            a["position_ids"] = _shards.shard_positions(state, explicit, None, ref.shape[1], ref.device, rows=3)
-        if ref is not None and a["position_ids"] is None:
+    if given.get("position_ids") is None:
+        explicit = _scope.named() or {}
+        inputs = given.get("input_ids") if given.get("input_ids") is not None else given.get("inputs_embeds")
+        if inputs is not None:
+            given["position_ids"] = _shards.shard_positions(state, explicit, None, inputs.shape[1], inputs.device,
+                                                            rows=3)
+        if inputs is not None and given["position_ids"] is None:
             raise UlyssesError(
                 f"tfcompat {state.family}: this rank's slice of the row with no position ids: upstream would count "
                 f"the mRoPE positions from the slice's first token; pass the whole row's positions "
                 f"(tfcompat.embeds.rope_index, tfcompat.packing.pack) sliced with tfcompat.ulysses.slice_for_rank, "
                 f"or the whole row's cu_seq_lens_q, or patch with slice_inputs=True and pass the whole row")
-    return a
+    return given
 
 
 # --------------------------------------------------------------- checks of the top call's inputs
-def check_vision_in_packed_row(owner, family, a, explicit):
+def check_vision_in_packed_row(owner, family, given, explicit):
     """A packed row with images or videos (one host sync per step): its sequence starts must not fall inside
     a run of placeholder tokens, and 2-D (text) position ids would give the vision tokens text positions."""
     import torch
 
     from .tokens import mm_token_type_ids
 
-    ids = a["input_ids"]
-    explicit = dict(explicit, **{k: a[k] for k in _FLASH_KWARGS if a.get(k) is not None})
-    position_ids = a.get("position_ids")
+    ids = given["input_ids"]
+    explicit = dict(explicit, **{k: given[k] for k in _FLASH_KWARGS if given.get(k) is not None})
+    position_ids = given.get("position_ids")
     text = _boundaries.text_row(position_ids)
     cu = explicit.get("cu_seq_lens_q", explicit.get("cu_seq_lens_k"))
-    packed = _carrier.packed_boundaries()  # read by this copy's patched model, whichever boundaries win
+    packed = _scope.packed_boundaries()  # read by this copy's patched model, whichever boundaries win
     if cu is None and packed is not None:
         cu = packed.cu
     n = ids.shape[-1]
@@ -223,7 +224,7 @@ def check_vision_in_packed_row(owner, family, a, explicit):
         slot = torch.where((inner > 0) & (inner < n), inner, n)  # a boundary outside the row: the spare slot n
         start = torch.zeros(n + 1, dtype=torch.bool, device=ids.device).index_fill(0, slot, True)[:n]
     elif text is not None:
-        valid = _boundaries.mask_valid(a.get("attention_mask"), n)
+        valid = _boundaries.mask_valid(given.get("attention_mask"), n)
         if isinstance(valid, str):
             return  # a 4-D mask (or a cache's longer one) says itself what attends: upstream's own path
         if valid is not None:  # one prompt with padding (generate(), assisted decoding): not a packed row
