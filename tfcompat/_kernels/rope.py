@@ -210,10 +210,6 @@ class _RopePair(torch.autograd.Function):
         return out[0], out[1], None, None
 
 
-def rotate_pair(q, k, trig, seq_dim):
-    """q and k rotated out of place (cos/sin do not need gradients)."""
-    return _RopePair.apply(q, k, trig, seq_dim)
-
 
 def compact_trig(cos, sin, rotation, gptj_cos, unsqueeze_dim):
     """cos and the signed sin of :func:`compact`, shaped to broadcast over x (its rotated part, in (pairs, 2)

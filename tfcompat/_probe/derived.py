@@ -1,6 +1,6 @@
 """What the release that saved a config file derived from it where another release derives otherwise from the same
 keys (a change of code or of a key's name, not of the file's values): YaRN's factor, a part's rotation layout, the
-expert count and the MoE layers (the windowed layers: :func:`.window.window_drift`). Each rule is measured per
+expert count and the MoE layers (the windowed layers: :func:`window_drift`). Each rule is measured per
 release and held by tests/test_drift.py to the saving release's own model (tools/drift_sweep.py). :mod:`.drift`
 compares the file's RoPE keys and calls these."""
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from . import window as _window
 from .families import text_config
 
 
@@ -198,3 +199,76 @@ def moe_layers_drift(raw, config, fam, saved, release):
     return [Drift("mlp_layer_types", f"experts on {then}", f"experts on {now}",
                   f"{by} built experts on {then}; transformers {release} builds them on {now} from this file: the "
                   f"checkpoint's MLP weights would not load as trained")]
+
+
+def _window_intent(raw, fam=None, saved=None):
+    """``(window, the layers the saving release windowed)``: where the file says it unambiguously (``layer_types``
+    for every layer, or ``use_sliding_window: false``), or by the saving release's one-mask rule (the family
+    table's ``one_mask``); None where neither tells (no window, or the meaning of ``max_window_layers`` alone,
+    which families number differently)."""
+    text = text_part(raw)
+
+    def get(key):
+        return text.get(key, raw.get(key))
+
+    window, layers = get("sliding_window"), get("num_hidden_layers")
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0 or not isinstance(layers, int):
+        return None
+    when = _window.transformers4.one_mask(fam, saved.release) if fam is not None and saved is not None else None
+    if when is not None:
+        every = when == "set" or get("use_sliding_window") is True
+        return window, frozenset(range(layers)) if every else frozenset()
+    types = get("layer_types")
+    if isinstance(types, list) and len(types) == layers:
+        return window, frozenset(i for i, t in enumerate(types) if t == "sliding_attention")
+    if get("use_sliding_window") is False:
+        return window, frozenset()
+    return None
+
+
+def _windowed(config, text):
+    """The layers this release windows for ``config`` (its attention modules built on the meta device)."""
+    import torch
+
+    from . import resolve as _resolve
+    from .families import family
+
+    fam = family(config)
+    release = _window._release()
+    if _window.transformers4.one_mask(fam, release) is not None:
+        cls = None
+    else:
+        cls = getattr(_resolve.resolve("attention.signature", fam.name).target, fam.attention)
+    out = set()
+    for i in range(int(text.num_hidden_layers)):
+        if cls is None:
+            module = None
+        else:
+            with torch.device("meta"):
+                module = cls(text, i)
+        if _window.mask_window(fam, text, module, release) is not None:
+            out.add(i)
+    return frozenset(out)
+
+
+def window_drift(raw, config, release, fam=None, saved=None):
+    """The layers the file windows against the layers this release's model windows (its own eager attention
+    read as :func:`.window.mask_window` reads it), where the window is shorter than the model's longest
+    position (a window no shorter than every row changes nothing)."""
+    intent = _window_intent(raw, fam, saved)
+    text = text_config(config)
+    longest = getattr(text, "max_position_embeddings", None)
+    if intent is None or (isinstance(longest, int) and intent[0] >= longest):
+        return []
+    window, meant = intent
+    total = int(text.num_hidden_layers)
+    built = _windowed(config, text) if getattr(text, "sliding_window", None) else frozenset()
+    if built == meant:
+        return []
+    return [Drift("sliding_window", f"{window} on {layers_named(meant, total)}",
+                  f"{window} on {layers_named(built, total)}",
+                  f"transformers {release}'s attention windows other layers than "
+                  + (f"transformers {saved}, which saved the file, did" if saved is not None else
+                     "the file sets (it names no saving release: read from its keys)")
+                  + f" (the layers this release's mask windows); sequences longer "
+                  f"than {window} tokens would train with another attention")]

@@ -21,7 +21,6 @@ from typing import Any
 
 from ..errors import ConfigError, TfcompatError
 from . import derived as _derived
-from . import window as _window
 from .derived import Drift
 from .derived import text_part as _text_part
 from .families import text_config
@@ -214,7 +213,7 @@ def compare(raw: dict, config: Any) -> list:
     out += _shape_drift(raw, config, want, got, release)
     if got["rope_type"] == "yarn":  # a release that builds no YaRN from the file: rope_type says so above
         out += _derived.yarn_drift(raw, saved, release)
-    out += _window.window_drift(raw, config, release, fam, saved)
+    out += _derived.window_drift(raw, config, release, fam, saved)
     out += _derived.code_drift(raw, fam, saved, release)
     out += _derived.expert_drift(raw, config, fam, saved, release)
     out += _derived.moe_layers_drift(raw, config, fam, saved, release)
