@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from . import window as _window
+from . import transformers4
 from .families import text_config
+from .window import mask_window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +215,7 @@ def _window_intent(raw, fam=None, saved=None):
     window, layers = get("sliding_window"), get("num_hidden_layers")
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0 or not isinstance(layers, int):
         return None
-    when = _window.transformers4.one_mask(fam, saved.release) if fam is not None and saved is not None else None
+    when = transformers4.one_mask(fam, saved.release) if fam is not None and saved is not None else None
     if when is not None:
         every = when == "set" or get("use_sliding_window") is True
         return window, frozenset(range(layers)) if every else frozenset()
@@ -230,12 +231,13 @@ def _windowed(config, text):
     """The layers this release windows for ``config`` (its attention modules built on the meta device)."""
     import torch
 
+    from ..version import transformers_version
     from . import resolve as _resolve
     from .families import family
 
     fam = family(config)
-    release = _window._release()
-    if _window.transformers4.one_mask(fam, release) is not None:
+    release = transformers_version().release
+    if transformers4.one_mask(fam, release) is not None:
         cls = None
     else:
         cls = getattr(_resolve.resolve("attention.signature", fam.name).target, fam.attention)
@@ -246,7 +248,7 @@ def _windowed(config, text):
         else:
             with torch.device("meta"):
                 module = cls(text, i)
-        if _window.mask_window(fam, text, module, release) is not None:
+        if mask_window(fam, text, module, release) is not None:
             out.add(i)
     return frozenset(out)
 
