@@ -29,6 +29,18 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2**-
 BOUNDARY_ONLY = pytest.mark.skipif(os.environ.get("TFCOMPAT_BOUNDARY_TESTS") == "skip",
                                    reason="torch.compile runs on the boundary releases of the matrix (tox.ini)")
 
+# two parts of the boundary tests, each run on three of the four boundary environments (tox.ini says which), so that
+# every plumbing edge still meets both: the tests over spawned gloo ranks (seconds to start each rank: not in tf50)
+# and the compile tests of tests/test_compile.py (dynamo's warm-up: not in tf457, nor in tf525, whose release
+# tf525-torch215 compiles with the newest torch)
+SPAWNED_RANKS_SKIPPED = os.environ.get("TFCOMPAT_BOUNDARY_TESTS") == "skip" or \
+    os.environ.get("TFCOMPAT_SPAWN_TESTS") == "skip"
+SPAWNED_RANKS = pytest.mark.skipif(SPAWNED_RANKS_SKIPPED,
+                                   reason="the tests over spawned ranks run on three boundary environments (tox.ini)")
+COMPILES = pytest.mark.skipif(os.environ.get("TFCOMPAT_BOUNDARY_TESTS") == "skip" or
+                              os.environ.get("TFCOMPAT_COMPILE_TESTS") == "skip",
+                              reason="the compile tests run on three boundary environments (tox.ini)")
+
 # what no release moves: the package's own structure read from its files, the command's plumbing (pipes, folders,
 # refusals), vendored copies, an example made to fail. Once in the matrix (tox.ini: tf525, the newest release) and
 # in every local run
@@ -36,9 +48,9 @@ ONCE = pytest.mark.skipif(os.environ.get("TFCOMPAT_ONCE_TESTS") == "skip",
                           reason="release-independent: runs once in the matrix (tox.ini: tf525)")
 
 # what torch decides while the model code only carries it (stand-in kernels registered as ops inside compiled
-# graphs): the lowest and the newest torch (tf451-torch27, tf524-torch214) and the newest release (tf525)
+# graphs): the lowest and the newest torch (tf451-torch27, tf525-torch215)
 TORCH_DECIDES = pytest.mark.skipif(os.environ.get("TFCOMPAT_TORCH_TESTS") == "skip",
-                                   reason="what torch decides: runs in the torch environments and tf525 (tox.ini)")
+                                   reason="what torch decides: runs in the torch environments (tox.ini)")
 
 
 def triton_ready():

@@ -14,10 +14,10 @@ import tfcompat
 from tfcompat.errors import TfcompatError
 from tfcompat.packing import pack, unpack
 
-from _helpers import BOUNDARY_ONLY, TORCH_DECIDES, close_to_model, grads_by_name, param_grads, patchable
+from _helpers import COMPILES, TORCH_DECIDES, close_to_model, grads_by_name, param_grads, patchable
 from _models import padded, text_model, tiny_model
 
-pytestmark = BOUNDARY_ONLY
+pytestmark = COMPILES
 NAMES = [n for n in ("qwen2", "qwen3", "qwen2_5_vl") if n in patchable()]
 STEPS = 8
 

@@ -8,7 +8,6 @@ The workers are spawned once for the module and run every case; each test assert
 
 import functools
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from tfcompat.testing import families
 from tfcompat.ulysses import gather_from_ranks, slice_for_rank
 
 from _dist import assert_ok, merged, run_cases, sequence_groups, spawn
-from _helpers import close_to_model, linear_attention, patchable
+from _helpers import SPAWNED_RANKS_SKIPPED, close_to_model, linear_attention, patchable
 from _models import (
     forward_kwargs,
     generate_on_this_rank,
@@ -36,7 +35,7 @@ from _models import (
 SPECS = families(installed_only=False)  # the family facts, from the public face
 
 pytestmark = pytest.mark.xdist_group("context")
-if os.environ.get("TFCOMPAT_BOUNDARY_TESTS") == "skip":
+if SPAWNED_RANKS_SKIPPED:
     pytest.skip("context parallelism runs on the boundary releases of the matrix (tox.ini says which)",
                 allow_module_level=True)
 

@@ -19,7 +19,15 @@ from tfcompat.testing import families
 from tfcompat.ulysses import gather_from_ranks, slice_for_rank
 
 from _dist import assert_ok, merged, run_cases, spawn
-from _helpers import close_to_model, installed, linear_attention, one_per_shape, patchable, verl_ulysses  # noqa: F401
+from _helpers import (  # noqa: F401
+    SPAWNED_RANKS_SKIPPED,
+    close_to_model,
+    installed,
+    linear_attention,
+    one_per_shape,
+    patchable,
+    verl_ulysses,
+)
 from _models import (
     generate_on_this_rank,
     padded,
@@ -35,12 +43,12 @@ SPECS = families(installed_only=False)  # the family facts, from the public face
 # the workers are spawned once for the module: under pytest-xdist its tests stay on one worker
 pytestmark = pytest.mark.xdist_group("distributed")
 
-if os.environ.get("TFCOMPAT_BOUNDARY_TESTS") == "skip":
+if SPAWNED_RANKS_SKIPPED:
     # the patched attention on a slice of the heads, DDP/FSDP2 with a text-only rank and verl's whole-row call:
     # torch's and verl's plumbing around the forwards every environment proves in process (test_patch,
     # test_training, test_embeds), run on the boundary releases of the matrix
-    pytest.skip("Ulysses, DDP and FSDP2 over spawned ranks run on the boundary releases of the matrix (tox.ini "
-                "says which)", allow_module_level=True)
+    pytest.skip("Ulysses, DDP and FSDP2 over spawned ranks run on the boundary releases of the matrix "
+                "(tox.ini says which)", allow_module_level=True)
 
 HAVE = patchable()
 # the Ulysses mechanism on one family per plan shape (every family's numbers: test_patch, `tfcompat check`)

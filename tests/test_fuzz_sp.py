@@ -25,11 +25,11 @@ from tfcompat.packing import pack, packed, unpack
 from tfcompat.ulysses import gather_from_ranks, slice_for_rank
 
 from _dist import merged, run_cases, sequence_groups, spawn
-from _helpers import patchable
+from _helpers import SPAWNED_RANKS_SKIPPED, patchable
 from _models import padded, tiny_model, tiny_sequence
 
 pytestmark = pytest.mark.xdist_group("fuzz_sp")
-if os.environ.get("TFCOMPAT_BOUNDARY_TESTS") == "skip":
+if SPAWNED_RANKS_SKIPPED:
     pytest.skip("the sequence-parallel fuzz runs on the boundary releases of the matrix (tox.ini says which)",
                 allow_module_level=True)
 hypothesis = pytest.importorskip("hypothesis")

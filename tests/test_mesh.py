@@ -6,7 +6,6 @@ unpatched model on the padded batches (loss of each step and the final parameter
 """
 
 import functools
-import os
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from tfcompat.testing import families
 from tfcompat.ulysses import gather_from_ranks, slice_for_rank
 
 from _dist import assert_ok, merged, run_cases, spawn
-from _helpers import close_to_model, installed, linear_attention, patchable  # noqa: F401
+from _helpers import SPAWNED_RANKS_SKIPPED, close_to_model, installed, linear_attention, patchable  # noqa: F401
 from _models import padded, tiny_model, tiny_sequence
 
 SPECS = families(installed_only=False)  # the family facts, from the public face
@@ -27,7 +26,7 @@ SPECS = families(installed_only=False)  # the family facts, from the public face
 # the workers are spawned once for the module: under pytest-xdist its tests stay on one worker
 pytestmark = pytest.mark.xdist_group("mesh")
 
-if os.environ.get("TFCOMPAT_BOUNDARY_TESTS") == "skip":
+if SPAWNED_RANKS_SKIPPED:
     pytest.skip("the 2x2 mesh (FSDP2's and DeviceMesh's plumbing around the Ulysses forward every environment "
                 "proves) runs on the boundary releases of the matrix (tox.ini says which)", allow_module_level=True)
 

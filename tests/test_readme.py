@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from _helpers import ONCE, installed
+from _helpers import ONCE, SPAWNED_RANKS, installed
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -32,8 +32,7 @@ PYTHON = _blocks("python")
 SHELL = _blocks("bash")
 #: a block that shows an example script run by torchrun starts with its command line
 TORCHRUN = re.compile(r"# torchrun --nproc_per_node (\d+) (examples/\S+\.py)")
-SPAWNS = pytest.mark.skipif(os.environ.get("TFCOMPAT_BOUNDARY_TESTS") == "skip",
-                            reason="the examples over spawned ranks run on the boundary releases (tox.ini)")
+SPAWNS = SPAWNED_RANKS  # the examples over spawned ranks
 # the torchrun examples as written: with the lowest and the newest releases (tf451-torch27, tf525); the middle
 # boundary releases (tf457, tf50) run the same code through the spawned-rank tests (tests/test_distributed.py,
 # tests/test_trainer_sp.py), which compare numbers, not only exit codes

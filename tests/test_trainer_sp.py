@@ -20,7 +20,7 @@ from tfcompat.packing import pack
 from tfcompat.testing import families
 
 from _dist import assert_ok, merged, run_cases, spawn
-from _helpers import patchable
+from _helpers import SPAWNED_RANKS_SKIPPED, patchable
 from _models import forward_kwargs, padded, tiny_model, tiny_pixels, tiny_sequence, word_tokenizer
 
 SPECS = families(installed_only=False)  # the family facts, from the public face
@@ -28,7 +28,7 @@ SPECS = families(installed_only=False)  # the family facts, from the public face
 
 pytestmark = pytest.mark.xdist_group("distributed")
 
-if os.environ.get("TFCOMPAT_BOUNDARY_TESTS") == "skip":
+if SPAWNED_RANKS_SKIPPED:
     pytest.skip("the Trainer's sequence parallelism over spawned ranks runs on the boundary releases of the matrix "
                 "(tox.ini says which)", allow_module_level=True)
 pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (installed by the tox envs)")
