@@ -31,8 +31,8 @@ BOUNDARY_ONLY = pytest.mark.skipif(os.environ.get("TFCOMPAT_BOUNDARY_TESTS") == 
 
 # two parts of the boundary tests, each run on three of the four boundary environments (tox.ini says which), so that
 # every plumbing edge still meets both: the tests over spawned gloo ranks (seconds to start each rank: not in tf50)
-# and the compile tests of tests/test_compile.py (dynamo's warm-up: not in tf457, nor in tf525, whose release
-# tf525-torch215 compiles with the newest torch)
+# and the compile tests (tests/test_compile.py, the docs' compiling examples; dynamo's warm-up: not in tf457, nor in
+# tf525, whose release tf525-torch215 compiles with the newest torch)
 SPAWNED_RANKS_SKIPPED = os.environ.get("TFCOMPAT_BOUNDARY_TESTS") == "skip" or \
     os.environ.get("TFCOMPAT_SPAWN_TESTS") == "skip"
 SPAWNED_RANKS = pytest.mark.skipif(SPAWNED_RANKS_SKIPPED,

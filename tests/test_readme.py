@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from _helpers import ONCE, SPAWNED_RANKS, installed
+from _helpers import COMPILES, ONCE, SPAWNED_RANKS, installed
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -73,7 +73,8 @@ def test_the_pages_have_runnable_examples():
     assert lines <= 300, f"the README has {lines} lines; the rest belongs in docs/"
 
 
-@pytest.mark.parametrize("block", [p for p in PYTHON if not TORCHRUN.match(p.values[0])])
+@pytest.mark.parametrize("block", [pytest.param(*p.values, id=p.id, marks=COMPILES) if "torch.compile(" in p.values[0]
+                                   else p for p in PYTHON if not TORCHRUN.match(p.values[0])])
 def test_python_block_runs_as_written(block, capsys, request):
     """Each block runs, prints PASS where it compares, and warns no FutureWarning (a deprecated name): none at all
     from a README block; none from a docs block's own lines (TRL 1.16 itself warns on 5.24 about the

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tfcompat
-from tfcompat.errors import PackingError
+from tfcompat.errors import PackingError, TfcompatError
 from tfcompat.packing import pack, unpack
 from tfcompat.testing import families
 
@@ -455,6 +455,31 @@ def test_deepcopy_pickle_and_save_of_a_patched_model(name):
         # the original is untouched by unpatching its copies
         again, _ = _packed_call(model, ids, mask, pixels)
         assert torch.equal(again, want)
+
+
+def test_a_bundled_forward_state_pickled_without_its_body_is_refused(monkeypatch):
+    """The bundled attention forward is a body patch() binds on each forward-route module's state
+    (``_step/bundled.py``). A state pickled by tfcompat 0.3.0 names no body (its dispatcher held it): unpickled, a
+    packed step is refused with what to do, not run through another body; patched again, it equals the original."""
+    from tfcompat._step.install import _ATTR  # private: the per-module state under test
+
+    name = FAMILIES[0]
+    monkeypatch.setenv("TFCOMPAT_ROPE_IMPL", "native")  # tfcompat's own rotation: the bundled forward on any release
+    ids, mask, pixels = _batch(name, False)
+    model = tiny_model(name)
+    tfcompat.patch(model)
+    states = [getattr(m, _ATTR) for m in model.modules() if getattr(getattr(m, _ATTR, None), "kind", "") == "attention"]
+    assert states and all(st.carrier == "forward" and st.body is not None for st in states)
+    with torch.no_grad():
+        want, _ = _packed_call(model, ids, mask, pixels)
+        for st in states:
+            del st.__dict__["body"]  # as 0.3.0 pickled it
+        old = pickle.loads(pickle.dumps(model))
+        with pytest.raises(TfcompatError, match="patched by an earlier tfcompat and then pickled"):
+            _packed_call(old, ids, mask, pixels)
+        tfcompat.patch(old)
+        got, _ = _packed_call(old, ids, mask, pixels)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_vl", "qwen3_5", "qwen2"])

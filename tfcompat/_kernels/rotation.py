@@ -8,7 +8,7 @@ machine has (triton found without importing it, imported once), decided once per
 proof, torch.compile, gradients through cos/sin), folds the mRoPE sections, casts cos/sin to q's dtype, splits or
 signs them for the kernel, and binds the kernel's call, all in its constructor; calling it rotates, with no
 choosing. ``apply_rope`` builds one per call; the patched attention builds one per packed step and (q, k) layout
-and every layer calls it (``_step.forwards.for_layers``). Beside the RoPE kernels: it reads no transformers (the
+and every layer calls it (``_step.bundled.for_layers``). Beside the RoPE kernels: it reads no transformers (the
 ``rope.apply`` resolution arrives as an argument).
 """
 

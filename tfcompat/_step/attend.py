@@ -14,7 +14,8 @@ loaded with (read from the model's own config at call time), as upstream's forwa
 
 The call itself, over (tokens, heads, dim) q/k/v: the whole row's (the step's bound kernel, :func:`_attend_row`) or a
 sequence-parallel slice's (Ulysses' all-to-all, context parallelism's chunks, :func:`_attend_split`), served to
-upstream's attention forward by :func:`packed_attention` and to tfcompat's bundled one by :mod:`.forwards`.
+upstream's attention forward by :func:`packed_attention` and to tfcompat's bundled one (:mod:`.bundled`) by
+:func:`attention_forward`.
 """
 
 from __future__ import annotations
@@ -22,9 +23,6 @@ from __future__ import annotations
 import copy
 import sys
 
-from .._kernels.rotation import Rotation, chosen_impl
-from .._probe import resolve as _resolve
-from .._probe.families import family as family_of
 from ..errors import PackingError, TfcompatError, UlyssesError
 from . import scope as _scope
 from .install import (
@@ -208,10 +206,9 @@ def _attend_split(state, step, q, k, v, scale, dropout):
 
 # ------------------------------------------------------------------------------- attention
 def attention_forward(self, *args, **kwargs):
-    """Every layer of a packed step runs this: it reads its arguments, the step (on the position embeddings) and
-    what patch time bound (``state``); the rotation is prepared once per step (:func:`for_layers`)."""
-    import torch
-
+    """Every patched attention module runs this and picks the route: upstream's forward with the step in its kwargs
+    (the interface route), upstream's forward unchanged (not a packed step), or the body ``patch`` bound where
+    upstream's forward does not serve a packed step (``state.body``: :func:`.bundled.bundled_forward`)."""
     state = getattr(self, _ATTR)
     step = kwargs.pop(STEP, None)
     if step is not None:  # the text model handed it down in the layers' kwargs (the interface route)
@@ -227,53 +224,11 @@ def attention_forward(self, *args, **kwargs):
     step = pe.step
     if state.carrier == "interface":  # upstream's forward, unchanged; the step rides in its kwargs to the call
         return upstream_forward(self, state, step, args, kwargs)
-    _check_call(state, hidden)
-
-    plan = state.plan  # the attention.signature plan, bound at patch time
-    s, d = hidden.shape[1], self.head_dim
-    q = self.q_proj(hidden)
-    gate = None
-    if plan.gated_query:  # Qwen3-Next, Qwen3.5: query and output gate interleaved per head (a probed fact)
-        q, gate = torch.chunk(q.view(1, s, -1, 2 * d), 2, dim=-1)
-        gate = gate.reshape(1, s, -1)
-    q = q.view(1, s, -1, d)
-    k = self.k_proj(hidden).view(1, s, -1, d)
-    v = self.v_proj(hidden).view(1, s, -1, d)
-    if getattr(self, "q_norm", None) is not None:
-        q, k = self.q_norm(q), self.k_norm(k)
-    q, k = q.transpose(1, 2), k.transpose(1, 2)
-    # out of place: a projection output (or a norm's) may be saved by selective activation checkpointing,
-    # which a rotation in place would corrupt. cos/sin are this release's own (checked once per step).
-    if torch.compiler.is_compiling():  # traced: the plain path, nothing kept between layers
-        q, k = rotate(q, k, pe[0], pe[1], state.family, state.section, state.rope)
-    else:
-        rot = pe.rotations.get((q.dtype, q.shape, k.shape, q.stride(), k.stride()))
-        if rot is None:
-            rot = for_layers(pe, q, k, state.family, state.section, state.rope)
-        q, k = rot.call(q, k)
-    # squeeze, not q[0]: select's backward allocates and zero-fills a whole (1, heads, s, d) gradient per tensor
-    q, k, v = q.squeeze(0).transpose(0, 1), k.squeeze(0).transpose(0, 1), v.squeeze(0)
-    dropout = self.attention_dropout if self.training else 0.0
-    scale = getattr(self, "scaling", None) or d ** -0.5
-    if state.group is not None or state.context_group is not None:
-        out = _attend_split(state, step, q, k, v, scale, dropout)
-    else:
-        out = _attend_row(step, q, k, v, scale, state.window, dropout)
-    out = out.reshape(1, s, -1)
-    if gate is not None:
-        out = out * torch.sigmoid(gate)
-    out = self.o_proj(out)
-    return (out, None, None) if plan.returns == 3 else (out, None)
-
-
-def _check_call(state, hidden):
-    """The bundled forward's packed call: one row (batch 1), and a process group where the model was patched with one
-    (on the interface route the text model checked both once for the step, and upstream's forward runs as it is)."""
-    if hidden is not None and hidden.shape[0] != 1:
-        raise PackingError(f"tfcompat {state.family}: the packed attention needs batch 1, got batch "
-                           f"{hidden.shape[0]}")
-    if state.group_lost:
-        state.group_or_raise()
+    if state.body is None:  # a state pickled by tfcompat 0.3.0, whose attention forward held the body itself
+        raise TfcompatError(
+            f"tfcompat {state.family}: this model was patched by an earlier tfcompat and then pickled; its attention "
+            f"modules do not name the forward they run; call tfcompat.patch(model) again after loading")
+    return state.body(self, state, pe, hidden, _attend_row, _attend_split)  # the call both routes share
 
 
 def _attention_unpacked(self, state, args, kwargs):
@@ -287,23 +242,3 @@ def _attention_unpacked(self, state, args, kwargs):
                                f"called outside a patched text model step; call the model (or its text model), "
                                f"not the layer")
     return _original(self, state, *args, **kwargs)  # not packed: upstream, unchanged
-
-
-def for_layers(carried, q, k, family, section, res):
-    """The rotation of this step's (cos, sin) for q and k of this layout, made by the first layer that asks and
-    kept on the step's carrier for the others (unless cos/sin need gradients)."""
-    cos, sin = carried
-    fam = family_of(family)
-    rot = Rotation(q, k, cos, sin, fam.name, res, 2, 1, section, False, chosen_impl(None))
-    if rot.cacheable:
-        carried.rotations[(q.dtype, q.shape, k.shape, q.stride(), k.stride())] = rot
-    return rot
-
-
-def rotate(q, k, cos, sin, model_type, mrope_section, resolution=None):
-    """The patched attention's rotation under torch.compile (traced: nothing kept between layers): out of place,
-    (batch, heads, seq, head_dim), with the cos/sin that this release's rotary module returned (checked once
-    per step, :func:`check_cos`), the sections and the ``rope.apply`` resolution bound at patch time."""
-    fam = family_of(model_type)
-    res = resolution if resolution is not None else _resolve.resolve("rope.apply", fam.name)
-    return Rotation(q, k, cos, sin, fam.name, res, 2, 1, mrope_section, False, chosen_impl(None))(q, k)

@@ -27,7 +27,7 @@ class _State:
     """Per patched module. Picklable and deep-copyable: a copy shares the (unpicklable) process group;
     a pickled copy forgets it and asks to be patched again before a Ulysses step."""
 
-    calls, rides, context_group, context_world = None, False, None, 1  # for states pickled before these existed
+    calls, rides, context_group, context_world, body = None, False, None, 1, None  # for states pickled before these
     masks = None  # the text model: the layer types whose masks a packed step hands as None (CarrierPlan.masks_by_type)
 
     def __init__(self, kind, family, remove_padding, group, world, saved_forward=None, dummy_visual=True,
@@ -39,10 +39,10 @@ class _State:
         self.section = None  # attention modules: mRoPE sections, read from the config once at patch time
         self.window = None  # attention modules: the sliding window upstream uses on this layer (patch time)
         self.rope = self.plan = None  # attention modules: the rope.apply resolution and attention plan
-        self.group, self.world, self.saved_forward = group, world, saved_forward
-        self.group_lost = False
+        self.group, self.world, self.saved_forward, self.group_lost = group, world, saved_forward, False
         self.linear_child = False  # decoder layers: holds a linear-attention mixer (gets a _StepMask)
         self.carrier = "forward"  # attention modules: "interface" where upstream's forward runs (.attend)
+        self.body = None  # attention modules on the forward route: tfcompat's own attention body (.bundled)
         self.rides = False  # text model, mixers: the step rides down the layers' kwargs (rotary, layers unpatched)
         self.fn = None  # the module-level forward installed (kept to bind it again after unpickling)
         self.restored = False  # unpickled: the shared forward is bound again at the text model's first call
@@ -107,7 +107,7 @@ class _PatchedForward:
 
 class _RotaryWithStep(tuple):
     """``(cos, sin)`` that also carries the step's boundaries down to the layers, and the rotations the layers
-    prepared from them (:func:`.attend.for_layers`, keyed by the (q, k) layout)."""
+    prepared from them (:func:`.bundled.for_layers`, keyed by the (q, k) layout)."""
 
     step = None
     rotations = None

@@ -50,6 +50,7 @@ from .._probe import resolve as _resolve
 from .._probe.families import family as _family
 from ..errors import ModelError, UlyssesError, UnsupportedTransformersError
 from . import attend as _attend
+from . import bundled as _bundled
 from . import forwards as _layers
 from . import text as _text
 from . import top as _top
@@ -270,10 +271,10 @@ def _install_all(model, fam, targets, state_of, linear_cls, resolutions, windows
         st = _patched_as(m)
         return st is not None and st.kind == kind and st.remove_padding == state_of["remove_padding"] and \
             st.group is state_of["group"] and not st.group_lost and st.dummy_visual == state_of["dummy_visual"] and \
-            st.slice_inputs == state_of["slice_inputs"] and st.context_group is state_of["context_group"]
+            st.slice_inputs == state_of["slice_inputs"] and st.context_group is state_of["context_group"] and \
+            (kind != "attention" or st.carrier == "interface" or st.body is not None)  # 0.3.0's pickles name no body
 
-    # the interface route where the text model's kwargs reach every mixer: the step rides there, so neither the
-    # rotary module nor the decoder layers are patched
+    # the interface route, the text model's kwargs reaching every mixer: the step rides them (rotary, layers unpatched)
     riding = carrier.impl == "interface" and carrier.plan.kwargs_reach and all(routed.values()) and bool(routed)
     if riding:
         targets = [(m, kind) for m, kind in targets if kind not in ("rotary", "layer")]
@@ -290,11 +291,11 @@ def _install_all(model, fam, targets, state_of, linear_cls, resolutions, windows
             state.rides = riding
         if kind == "layer" and linear_cls is not None:
             state.linear_child = any(isinstance(c, linear_cls) for c in m.modules())
-        if kind == "attention" and resolutions[1].plan.cos_rows == 3:
-            state.section = rope_parameters(m.config, model_type=fam.name).mrope_section
         if kind == "attention":
-            state.window = windows[id(m)]
-            state.rope, state.plan = resolutions[1], resolutions[2].plan
+            if resolutions[1].plan.cos_rows == 3:
+                state.section = rope_parameters(m.config, model_type=fam.name).mrope_section
+            state.window, state.rope, state.plan = windows[id(m)], resolutions[1], resolutions[2].plan
+            state.body = None if routed[id(m)] else _bundled.bundled_forward  # the forward route: tfcompat's body
             if routed[id(m)]:
                 _attend.register()
                 state.carrier, state.rides = "interface", riding
