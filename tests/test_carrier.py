@@ -96,6 +96,31 @@ def test_the_step_rides_the_layers_kwargs_where_they_reach_the_attention(name):
         torch.testing.assert_close(zero if g is None else g, zero if w is None else w, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("name", [n for n in ("qwen2", "qwen2_vl") if n in SERVED])
+def test_a_patched_model_called_inside_another_ones_step_runs_its_own_call(name):
+    """A patched model called from inside another patched model's packed step (a hook on a decoder layer: a reward
+    or reference model, a probe) runs its own call, not the outer step: the step this thread runs belongs to the
+    model that decided it. The inner row has as many tokens as the outer packed row, so the outer boundaries would
+    fit it. Oracle: transformers' own models, the outer on the padded batch, the inner on its row."""
+    outer, inner = tiny_model(name), tiny_model(name)
+    ids, mask, pk = _batch(outer.config.get_text_config().vocab_size)
+    inner_ids = torch.arange(3, 3 + pk.input_ids.shape[1]).unsqueeze(0)  # one sequence of the packed row's length
+    with torch.no_grad():
+        want_outer, want_inner = outer(input_ids=ids, attention_mask=mask).logits, inner(input_ids=inner_ids).logits
+    tfcompat.patch(outer)
+    tfcompat.patch(inner)
+    seen = []
+    layer = next(m for m in outer.modules() if type(m).__name__.endswith("DecoderLayer"))
+    handle = layer.register_forward_hook(lambda *_: seen.append(inner(input_ids=inner_ids).logits))
+    try:
+        with torch.no_grad():
+            got = unpack(outer(input_ids=pk.input_ids, position_ids=pk.position_ids).logits, pk)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(seen[0], want_inner, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got[mask.bool()], want_outer[mask.bool()], atol=2e-5, rtol=2e-5)
+
+
 class _Squares(torch.utils._python_dispatch.TorchDispatchMode):
     """Records every tensor an op returns shaped as upstream's masks are, (batch, 1, tokens, tokens): torch's own
     dispatch hook. (A linear mixer's chunked kernel makes (1, heads, chunks, n, n) blocks of its own.)"""

@@ -32,7 +32,6 @@ from .install import (
     _STEP,
     _arguments,
     _carried,
-    _in_step,
     _lost_step,
     _original,
     unkeyed,
@@ -217,7 +216,7 @@ def attention_forward(self, *args, **kwargs):
     hidden = args[0] if args else kwargs.get("hidden_states")
     if pe is None or hidden is None:
         if state.group is None and state.context_group is None and not state.group_lost and \
-                not isinstance(_scope.call_entry(), _scope.RunningStep):
+                _scope.running(state.owner) is None:
             saved = state.saved_forward  # not packed, not split: upstream's attention, unchanged
             return saved(*args, **kwargs) if saved is not None else type(self).forward(self, *args, **kwargs)
         return _attention_unpacked(self, state, args, kwargs)
@@ -233,7 +232,7 @@ def attention_forward(self, *args, **kwargs):
 
 def _attention_unpacked(self, state, args, kwargs):
     """Not a packed step: upstream's attention, unchanged (a sequence-parallel one only inside a step)."""
-    if _in_step():
+    if _scope.running(state.owner) is not None:  # a tripwire: the carrier was lost
         raise _lost_step(state, self, "the keyword arguments" if state.rides else "the position embeddings")
     if state.split() or state.group_lost:
         given = _arguments(self, args, kwargs)

@@ -17,7 +17,6 @@ from .install import (
     _FLASH_KWARGS,
     _STEP,
     _carried,
-    _in_step,
     _lost_step,
     _original,
     _RotaryWithStep,
@@ -29,11 +28,11 @@ from .install import (
 def rotary_forward(self, *args, **kwargs):
     state = getattr(self, _ATTR)
     out = _original(self, state, *args, **kwargs)
-    entry = _scope.call_entry()
-    if isinstance(entry, _scope.RunningStep) and isinstance(out, tuple):
+    step = _scope.running(state.owner)  # this model's step (not one another model runs around this call)
+    if step is not None and isinstance(out, tuple):
         check_cos(state.family, *out)  # once per step: the per-layer rotation trusts this layout
         out = _RotaryWithStep(out)
-        out.step, out.rotations = entry.step, {}
+        out.step, out.rotations = step, {}
     return out
 
 
@@ -41,7 +40,7 @@ def layer_forward(self, *args, **kwargs):
     state = getattr(self, _ATTR)
     pe = _carried(args, kwargs)
     if pe is None:
-        if isinstance(_scope.call_entry(), _scope.RunningStep):  # a tripwire: the step's carrier was lost
+        if _scope.running(state.owner) is not None:  # a tripwire: the step's carrier was lost
             raise TfcompatError(
                 f"tfcompat {state.family}: {type(self).__name__} did not receive the position embeddings of this "
                 f"packed step, so it cannot tell where sequences begin; a wrapper or pre-hook around the decoder layer "
@@ -80,7 +79,7 @@ def linear_forward(self, hidden_states, *args, **kwargs):
         carrier = _scope.first((v for v in (*args, *kwargs.values()) if isinstance(v, _StepMask)), None)
         step = carrier.step if carrier is not None else None
     if step is None:
-        if _in_step():
+        if _scope.running(state.owner) is not None:  # a tripwire: the carrier was lost
             raise _lost_step(state, self, "the keyword arguments" if state.rides else "the attention mask")
         return _original(self, state, hidden_states, *args, **kwargs)
     args = tuple(None if v is carrier else v for v in args)

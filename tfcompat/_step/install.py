@@ -11,7 +11,6 @@ import inspect
 import types
 
 from ..errors import TfcompatError, UlyssesError
-from . import scope as _scope
 from .scope import FLASH_KWARGS
 
 _ATTR = "_tfcompat_patch"          # per patched module: its _State
@@ -27,11 +26,12 @@ class _State:
     """Per patched module. Picklable and deep-copyable: a copy shares the (unpicklable) process group;
     a pickled copy forgets it and asks to be patched again before a Ulysses step."""
 
-    calls, rides, context_group, context_world, body = None, False, None, 1, None  # for states pickled before these
+    calls = context_group = body = owner = None  # for states pickled before these existed
+    rides, context_world = False, 1
     masks = None  # the text model: the layer types whose masks a packed step hands as None (CarrierPlan.masks_by_type)
 
     def __init__(self, kind, family, remove_padding, group, world, saved_forward=None, dummy_visual=True,
-                 slice_inputs=False, context_group=None, context_world=1):
+                 slice_inputs=False, context_group=None, context_world=1, owner=None):
         self.kind, self.family, self.remove_padding = kind, family, remove_padding
         self.context_group, self.context_world = context_group, context_world  # context parallel: zigzag chunks
         self.slice_inputs = slice_inputs  # Ulysses: every rank passes the whole row; the text model slices it
@@ -43,6 +43,7 @@ class _State:
         self.linear_child = False  # decoder layers: holds a linear-attention mixer (gets a _StepMask)
         self.carrier = "forward"  # attention modules: "interface" where upstream's forward runs (.attend)
         self.body = None  # attention modules on the forward route: tfcompat's own attention body (.bundled)
+        self.owner = owner  # the token patch() gives every state of one model (scope.RunningStep names its model)
         self.rides = False  # text model, mixers: the step rides down the layers' kwargs (rotary, layers unpatched)
         self.fn = None  # the module-level forward installed (kept to bind it again after unpickling)
         self.restored = False  # unpickled: the shared forward is bound again at the text model's first call
@@ -52,7 +53,7 @@ class _State:
         new = copy.copy(self)
         new.saved_forward = copy.deepcopy(self.saved_forward, memo)
         new.restored = False  # a deep copy copies the bound forwards too (copy._deepcopy_method)
-        new.calls = None
+        new.calls, new.owner = None, copy.deepcopy(self.owner, memo)  # the copy's states share a token of their own
         return new
 
     def __getstate__(self):
@@ -334,12 +335,6 @@ def _carried(args, kwargs):
         if isinstance(v, _RotaryWithStep):
             return v if v.step is not None else None
     return None
-
-
-def _in_step():
-    """True inside a patched text model's packed step (this thread): a tripwire only, for a layer or mixer
-    whose call lost the step's carrier; the step itself is never read from here below the rotary module."""
-    return _scope.in_step()
 
 
 def _lost_step(state, module, what):

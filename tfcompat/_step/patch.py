@@ -283,10 +283,9 @@ def _install_all(model, fam, targets, state_of, linear_cls, resolutions, windows
         return
     for m in patched_below:
         _uninstall(m)
+    owner = object()  # this model's token: its text model's step is read only by its own modules (scope.RunningStep)
     for m, kind in targets:
-        state = _State(kind, fam.name, state_of["remove_padding"], state_of["group"], state_of["world"],
-                       dummy_visual=state_of["dummy_visual"], slice_inputs=state_of["slice_inputs"],
-                       context_group=state_of["context_group"], context_world=state_of["context_world"])
+        state = _State(kind, fam.name, owner=owner, **state_of)
         if kind == "linear":
             state.rides = riding
         if kind == "layer" and linear_cls is not None:

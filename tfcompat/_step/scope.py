@@ -3,8 +3,9 @@
 * :class:`CallBoundaries`: the boundaries a call named (the flash-attn keyword arguments the model ``patch()`` was given
   took out of upstream's call, handed to its text model);
 * :class:`Packed`: ``tfcompat.packing.packed(cu, max_len)``, boundaries for every patched call in the block;
-* :class:`RunningStep`: the packed step being run (the rotary module hands it to the layers on its output; the
-  layers read it from their own arguments, this entry is only a tripwire for a layer that lost it).
+* :class:`RunningStep`: the packed step being run, and the model it belongs to (the rotary module hands it to the
+  layers on its output; the layers read it from their own arguments, this entry is only a tripwire for a layer that
+  lost it).
 
 The layers never read this stack: what they need rides in their call's arguments (a checkpoint's recomputation
 replays them).
@@ -48,10 +49,13 @@ class TowersZero:
 
 
 class RunningStep:
-    __slots__ = ("step",)
+    """A text model's packed step, and the token ``patch()`` gave every patched module of that model (``owner``): a
+    patched model called inside the step (from a hook on a layer) is another owner's, and runs its own call."""
 
-    def __init__(self, step):
-        self.step = step
+    __slots__ = ("step", "owner")
+
+    def __init__(self, step, owner):
+        self.step, self.owner = step, owner
 
 
 def _stack():
@@ -92,9 +96,12 @@ def named():
     return entry.kwargs if isinstance(entry, CallBoundaries) else None
 
 
-def in_step():
-    """True inside a patched text model's packed step (this thread)."""
-    return isinstance(call_entry(), RunningStep)
+def running(owner):
+    """The packed step this thread runs for the model whose modules hold ``owner`` (their state's token), or None:
+    none runs, or the innermost is another model's. A tripwire too: a layer or mixer of that model called without
+    the step's carrier inside it lost it (the step itself rides the call's arguments below the text model)."""
+    entry = call_entry()
+    return entry.step if isinstance(entry, RunningStep) and entry.owner is owner else None
 
 
 class carry:

@@ -193,6 +193,6 @@ def _packed(self, state, given, step, changed):
     given.update(changed)
     if state.rides:  # down the layers' own kwargs to the attention (a checkpoint replays them)
         given[_STEP] = step
-    with _scope.carry(_scope.RunningStep(step)):
+    with _scope.carry(_scope.RunningStep(step, state.owner)):
         return _original(self, state, **given)
 
