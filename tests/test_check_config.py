@@ -12,7 +12,7 @@ import pytest
 
 from tfcompat._tools.cli import main  # private: the command's own entry (tests of the command run it in process)
 
-from _helpers import SPAWNED_RANKS, installed
+from _helpers import ONCE, SPAWNED_RANKS, installed
 
 DATA = pathlib.Path(__file__).resolve().parent / "data"
 CONFIGS = sorted((DATA / "configs").glob("*.json"))
@@ -167,6 +167,7 @@ def test_layouts_line_names_the_degrees_the_real_heads_allow(capsys):
 
 
 @SPAWNED_RANKS
+@ONCE  # the command's path over spawned ranks; the 2-D mesh itself runs on every spawning environment (test_mesh)
 @pytest.mark.parametrize("stem", ["Qwen__Qwen3-8B", "Qwen__Qwen2.5-VL-7B-Instruct--saved-by-4.53.1"])
 def test_ulysses_times_context_over_spawned_ranks(stem, capsys):
     """`check --config PATH --ulysses 2 --context 2`: the scaled model's packed step over 4 spawned gloo ranks on

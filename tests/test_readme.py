@@ -33,11 +33,11 @@ SHELL = _blocks("bash")
 #: a block that shows an example script run by torchrun starts with its command line
 TORCHRUN = re.compile(r"# torchrun --nproc_per_node (\d+) (examples/\S+\.py)")
 SPAWNS = SPAWNED_RANKS  # the examples over spawned ranks
-# the torchrun examples as written: with the lowest and the newest releases (tf451-torch27, tf525); the middle
-# boundary releases (tf457, tf50) run the same code through the spawned-rank tests (tests/test_distributed.py,
-# tests/test_trainer_sp.py), which compare numbers, not only exit codes
+# the torchrun examples as written: with the newest release (tf525; tf451-torch27 leaves this module out); the
+# other spawning environments (tf457, tf451-torch27) run the same code through the spawned-rank tests
+# (tests/test_distributed.py, tests/test_trainer_sp.py), which compare numbers, not only exit codes
 EXAMPLES_EDGES = pytest.mark.skipif(os.environ.get("TFCOMPAT_EXAMPLE_TESTS") == "skip",
-                                    reason="the torchrun examples run with the lowest and newest releases (tox.ini)")
+                                    reason="the torchrun examples run with the newest release (tox.ini)")
 
 
 def _needs(block):
