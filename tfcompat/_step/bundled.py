@@ -28,7 +28,7 @@ def bundled_forward(self, state, pe, hidden, attend_row, attend_split):
     context group), the output gate and projection, and the return arity the release's decoder layer unpacks (the
     ``attention.signature`` plan, probed at patch time). The checks of the call are its own: one row (batch 1), and
     the process group where the model was patched with one (on the interface route the text model checked both once
-    for the step). Inline, as every call here: it runs in every layer."""
+    for the step). They are written inline, not called: this body runs in every layer, where each Python call counts."""
     import torch
 
     if hidden.shape[0] != 1:
