@@ -4,7 +4,7 @@
     python bench/first_use.py                         # on a GPU: the Triton kernel on CUDA
 
 Prints, side by side in one run: the proof's own time (``table.proven()``), the first call (proof + the call), a
-later call of the same layout, and the per-call cost of the proven look-up alone (``rope_proof.proven`` on a
+later call of the same layout, and the per-call cost of the proven look-up alone (``fused_proof.proven`` on a
 proven key), on a Qwen2.5-7B-shaped row (a small one in the interpreter).
 """
 
@@ -16,12 +16,13 @@ import torch
 
 def main():
     from tfcompat import clear_cache
-    from tfcompat._kernels import rope_proof, rope_triton, table
+    from tfcompat._kernels import table
+    from tfcompat._rope import fused, fused_proof
     from tfcompat.rope import apply_rope
 
-    cuda = torch.cuda.is_available() and not rope_triton.interpreted()
+    cuda = torch.cuda.is_available() and not fused.interpreted()
     dev = "cuda" if cuda else "cpu"
-    if not cuda and not rope_triton.interpreted():
+    if not cuda and not fused.interpreted():
         print("needs a CUDA device, or TRITON_INTERPRET=1 (set before triton is imported)")
         return 2
     seq, hq, hk, dim = (16384, 28, 4, 128) if cuda else (64, 4, 2, 128)
@@ -45,13 +46,13 @@ def main():
     for _ in range(5):
         call()
     later = (time.perf_counter() - t0) / 5
-    layout = rope_triton.Layout("neox", "", None)
+    layout = fused.Layout("neox", "", None)
     n = 20000
     t0 = time.perf_counter()
     for _ in range(n):
-        rope_proof.proven(q, k, cos, sin, layout, 1, False, "neox", "", True)
+        fused_proof.proven(q, k, cos, sin, layout, 1, False, "neox", "", True)
     lookup = (time.perf_counter() - t0) / n
-    where = f"{dev}{' (Triton interpreter)' if rope_triton.interpreted() else ''}, torch {torch.__version__}"
+    where = f"{dev}{' (Triton interpreter)' if fused.interpreted() else ''}, torch {torch.__version__}"
     print(f"first-use proof, {where}, q {tuple(q.shape)} bf16:")
     print(f"  proof alone {proof * 1e3:9.2f} ms   first call {first * 1e3:9.2f} ms   later call {later * 1e3:9.2f} ms")
     print(f"  proven look-up per call after it: {lookup * 1e6:.2f} us")

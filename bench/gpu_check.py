@@ -27,8 +27,8 @@ def main():
         print("no CUDA device: nothing to check")
         return 2
     from tfcompat import varlen
-    from tfcompat._kernels import varlen as _kv
-    from tfcompat._kernels.varlen import _sdpa_fallback
+    from tfcompat._attention import kernels as _kv
+    from tfcompat._attention.kernels import _sdpa_fallback
     from tfcompat.varlen import flash_attn_available, varlen_attention
 
     dev = torch.device("cuda")
@@ -55,8 +55,8 @@ def main():
     else:
         print("[skip] flash-attn is not importable: pip install flash-attn")
     if _kv._choice.torch_ships("nn/attention/varlen.py"):
-        # PyTorch's own varlen kernel, as _kernels.varlen._varlen calls it (causal, and a sliding window of 64)
-        from tfcompat._kernels import attention_calls as calls
+        # PyTorch's own varlen kernel, as _attention.kernels._varlen calls it (causal, and a sliding window of 64)
+        from tfcompat._attention import gpu_calls as calls
 
         for window in (None, 64):
             args, kwargs = calls.torch_call(q, k, v, cu, 511, causal=True, scale=64 ** -0.5, window=window,
@@ -110,7 +110,7 @@ def result_line(res):
 def pieces_reference(q, k, v, cu_q, cu_k, scale):
     """Each piece's queries are the last of its keys and see the keys up to themselves (bottom-right causal):
     tfcompat's context-parallel SDPA pieces (their mask), piece by piece."""
-    from tfcompat._kernels.context import _piece_mask
+    from tfcompat._parallel.context import _piece_mask
 
     outs = []
     bq, bk = cu_q.tolist(), cu_k.tolist()
@@ -126,7 +126,7 @@ def pieces_reference(q, k, v, cu_q, cu_k, scale):
 def piece_alignment(dev):
     """Check 5: varlen kernels on pieces with fewer queries than keys, against the bottom-right reference."""
     from tfcompat import varlen
-    from tfcompat._kernels import varlen as _kv
+    from tfcompat._attention import kernels as _kv
     from tfcompat._probe import backends as _backends
 
     g = torch.Generator(device=dev).manual_seed(1)

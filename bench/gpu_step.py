@@ -192,11 +192,11 @@ def _flash_importable():
 
 def _kernels(device, dtype):
     """The packed-attention kernels the patched model can choose on ``device`` (SDPA per sequence always)."""
-    from tfcompat._kernels import varlen_choice  # private: the bench forces each kernel in turn
+    from tfcompat._attention import kernel_choice  # private: the bench forces each kernel in turn
 
     out = ["sdpa"]
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-        out += [name for name, why in varlen_choice.varlen_unfit().items() if not why]
+        out += [name for name, why in kernel_choice.varlen_unfit().items() if not why]
     return out
 
 
@@ -204,9 +204,9 @@ class _forced:
     """``with _forced("flash_attn"):`` the patched model's packed attention uses that kernel (proven on first use)."""
 
     def __init__(self, kernel):
-        from tfcompat._kernels import varlen_choice  # private: the choice the bench overrides
+        from tfcompat._attention import kernel_choice  # private: the choice the bench overrides
 
-        self.module, self.kernel = varlen_choice, kernel
+        self.module, self.kernel = kernel_choice, kernel
 
     def __enter__(self):
         self.saved = self.module.varlen_kernel

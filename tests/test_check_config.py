@@ -227,9 +227,7 @@ def test_changed_settings_say_from_to_and_why(capsys):
 def test_a_layout_this_machine_cannot_hold_is_refused_before_spawning():
     """`--context 64` started 64 processes (about 20 GB of 24 GB here, 5 min 48 s). The degrees are checked
     against the machine first: refused in one line naming how large a layout fits and a smaller one to run."""
-    from tfcompat._tools.layout_check import (
-        rank_limit,  # private: the layout check's machine-size rule, a pure function
-    )
+    from tfcompat._tools.layout_check import rank_limit
 
     here = (2, 24.0)
     assert rank_limit(2, 2, here) == "" and rank_limit(2, 4, here) == ""

@@ -389,10 +389,8 @@ def test_a_kernel_proven_before_compiling_is_the_op_the_graph_calls(monkeypatch)
     registered through torch.library on the CPU as the real one is); the fullgraph-compiled model over the
     collator's kwargs (cu_seq_lens, max_length) then calls that op in its forward and backward graphs, not SDPA,
     and compiled equals eager. Traced before any proof, the graph runs SDPA and a warning says to warm up."""
-    from tfcompat._kernels import (  # private: the kernels' rooms are under test
-        table,
-        varlen,  # the kernels of packed attention (the room under test)
-    )
+    from tfcompat._attention import kernels as varlen
+    from tfcompat._kernels import table
 
     monkeypatch.setattr(varlen, "_kind", lambda q, dropout_p: "torch_varlen")
     monkeypatch.setattr(varlen._choice, "torch_varlen", lambda: _stand_in_varlen_attn)
@@ -464,7 +462,7 @@ def test_the_real_torch_varlen_call_traces_as_its_op():
     torch's registered op (``torch_attn._varlen_attn``), traced here on the CPU with a backend that records the
     graph and runs nothing (the op has no CPU kernel). On an H200 (torch 2.11) the call's read of varlen_attn's
     keywords from torch's file stopped the trace ("Attempted to call function marked as skipped")."""
-    from tfcompat._kernels import varlen  # the kernels of packed attention (the room under test)
+    from tfcompat._attention import kernels as varlen  # the kernels of packed attention (the room under test)
 
     if not varlen._choice.torch_ships("nn/attention/varlen.py"):
         pytest.skip(f"torch {torch.__version__} ships no torch.nn.attention.varlen")
@@ -490,7 +488,7 @@ def test_the_flash_attn_call_traces_once_looked_up(monkeypatch):
     """tfcompat's flash-attn call under fullgraph=True reads the function an eager call looked up (here a
     stand-in: flash-attn does not install on these machines); the look-up itself is never traced (dynamo: "Import
     failure" where flash-attn does not import)."""
-    from tfcompat._kernels import varlen  # the kernels of packed attention (the room under test)
+    from tfcompat._attention import kernels as varlen  # the kernels of packed attention (the room under test)
 
     seen = []
 
@@ -517,10 +515,8 @@ def test_compiled_layers_call_the_kernel_proven_before_compiling(monkeypatch):
     ``tfcompat.warmup``: the layers' graphs call the proven kernel's registered op (the stand-in for torch's
     varlen_attn), not SDPA, and compiled equals eager, across steps of different boundaries; compiled before any
     proof, they run SDPA and a warning says to warm up (no proof is traced into the graph)."""
-    from tfcompat._kernels import (  # private: the kernels' rooms are under test
-        table,
-        varlen,  # the kernels of packed attention (the room under test)
-    )
+    from tfcompat._attention import kernels as varlen
+    from tfcompat._kernels import table
 
     monkeypatch.setattr(varlen, "_kind", lambda q, dropout_p: "torch_varlen")
     monkeypatch.setattr(varlen._choice, "torch_varlen", lambda: _stand_in_varlen_attn)

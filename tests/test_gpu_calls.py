@@ -1,5 +1,5 @@
 """tfcompat's calls into GPU attention libraries, bound against those libraries' real signatures and checked against
-their documented conventions (tfcompat/_kernels/attention_calls.py keeps flash-attn's signatures as data: it cannot
+their documented conventions (tfcompat/_attention/gpu_calls.py keeps flash-attn's signatures as data: it cannot
 be installed here; torch's varlen_attn is read from the installed torch, live and from its file).
 
 The conventions are checked by arithmetic on CPU: the mask flash-attn documents for the (causal, window_size) tfcompat
@@ -12,9 +12,9 @@ import pytest
 import torch
 from packaging.version import Version
 
-from tfcompat._kernels import attention_calls as calls  # private: the calling conventions are the room under test
-from tfcompat._kernels import varlen_choice as proofs  # private: the first-use proofs are the room under test
-from tfcompat._kernels.varlen import _sdpa_fallback  # private: the exact path the proofs compare against
+from tfcompat._attention import gpu_calls as calls  # private: the calling conventions are the room under test
+from tfcompat._attention import kernel_choice as proofs  # private: the first-use proofs are the room under test
+from tfcompat._attention.kernels import _sdpa_fallback  # private: the exact path the proofs compare against
 from tfcompat._probe import backends as _backends  # private: the kernel choice per machine is under test
 
 FLASH2 = calls.signature(calls.FLASH_ATTN_2["spec"])
@@ -168,7 +168,7 @@ def test_installed_torch_varlen_signature_is_recorded():
     assert list(live.parameters) == list(sig.parameters)
     assert [p.kind for p in live.parameters.values()] == [p.kind for p in sig.parameters.values()]
     release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-    assert release in calls.TORCH_VARLEN, f"torch {release}'s varlen_attn is not recorded in attention_calls"
+    assert release in calls.TORCH_VARLEN, f"torch {release}'s varlen_attn is not recorded in gpu_calls"
     assert list(TORCH_SIGS[release].parameters) == list(live.parameters)
     assert calls.fits(varlen_attn, "torch_varlen") == ""
     assert _backends.varlen_unfit()["torch_varlen"] == ""
@@ -366,7 +366,7 @@ def test_every_device_side_check_message_fits_cuda():
     import pathlib
 
     import tfcompat
-    from tfcompat._step import starts as traced  # private: the traced step's device-side checks are under test
+    from tfcompat._attention import starts as traced  # private: the traced step's device-side checks are under test
 
     def text(node):
         if isinstance(node, ast.Constant):

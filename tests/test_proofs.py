@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import tfcompat
+from tfcompat._attention import kernel_choice as proofs  # private: the first-use proofs are the room under test
+from tfcompat._attention.kernels import _sdpa_fallback  # private: the exact path the proofs compare against
 from tfcompat._kernels import table  # private: the proof table is under test
-from tfcompat._kernels import varlen_choice as proofs  # private: the first-use proofs are the room under test
-from tfcompat._kernels.varlen import _sdpa_fallback  # private: the exact path the proofs compare against
 from tfcompat.errors import TfcompatError
 
 from _helpers import rotary, triton_ready
@@ -207,7 +207,7 @@ TRITON = pytest.mark.skipif(not triton_ready(), reason="needs triton in its inte
 def test_rope_proof_under_inference_mode(context):
     """cos/sin from the rotary module under inference_mode are inference tensors: the proof clones them, the
     kernel serves the call and equals the composite, and a training call after it uses the kernel too."""
-    from tfcompat._kernels import rope_triton  # private: the Triton kernel is the room under test
+    from tfcompat._rope import fused  # private: the Triton kernel is the room under test
     from tfcompat.rope import apply_rope
 
     tfcompat.clear_cache()
@@ -226,10 +226,10 @@ def test_rope_proof_under_inference_mode(context):
         torch.testing.assert_close(a, b)
     cos, sin = rot(q, pos)
     qg = q.clone().requires_grad_(True)
-    before = rope_triton.launches
+    before = fused.launches
     oq, ok = apply_rope(qg * 1, k, cos, sin, config=config, impl="triton")
     (oq.sum() + ok.sum()).backward()
-    assert rope_triton.launches == before + 2  # the kernel forward and backward: nothing failed, nothing fell back
+    assert fused.launches == before + 2  # the kernel forward and backward: nothing failed, nothing fell back
     assert all(r["ok"] for r in table.proven())
     tfcompat.clear_cache()
 
@@ -282,12 +282,12 @@ def test_rope_kernel_in_a_checkpointed_first_training_step(mode, monkeypatch):
 def test_rope_launch_goes_to_the_tensors_device():
     """Several GPUs per process: the launch makes q's device current (Triton then launches on it and on its current
     stream). A CUDA device cannot be entered here; the context the launch enters is checked for each device."""
-    from tfcompat._kernels import rope_triton  # private: the Triton kernel is the room under test
+    from tfcompat._rope import fused  # private: the Triton kernel is the room under test
 
-    ctx = rope_triton.launch_context(torch.device("cuda", 1))
+    ctx = fused.launch_context(torch.device("cuda", 1))
     assert isinstance(ctx, torch.cuda.device) and ctx.idx == 1
-    assert rope_triton.launch_context("cuda:3").idx == 3
-    assert not isinstance(rope_triton.launch_context("cpu"), torch.cuda.device)
+    assert fused.launch_context("cuda:3").idx == 3
+    assert not isinstance(fused.launch_context("cpu"), torch.cuda.device)
 
 
 # --- what a proof sees: kernels wrong in one part of the call must fail it --------------------------------------
@@ -340,11 +340,11 @@ def test_rope_proof_fails_a_kernel_wrong_in_one_part(wrong, monkeypatch):
     """The fused kernel replaced by one that is wrong only past token 8, only for the last head or only for the
     last batch row: the proof's slice covers those, so impl="triton" refuses it by name (the proof used to rotate
     batch row 0, tokens 0-7). An empty call is never a proof: it records nothing."""
-    from tfcompat._kernels import rope_triton  # private: the Triton kernel is the room under test
+    from tfcompat._rope import fused  # private: the Triton kernel is the room under test
     from tfcompat.config import rope_parameters
     from tfcompat.rope import apply_rope
 
-    real = rope_triton.rope
+    real = fused.rope
 
     def bad(q, k, cos, sin, layout, seq_dim, inplace=False):
         oq, ok = real(q, k, cos, sin, layout, seq_dim, inplace=inplace)
@@ -359,7 +359,7 @@ def test_rope_proof_fails_a_kernel_wrong_in_one_part(wrong, monkeypatch):
             return torch.cat((oq[:-1], -oq[-1:])), ok
         return oq, ok
 
-    monkeypatch.setattr(rope_triton, "rope", bad)
+    monkeypatch.setattr(fused, "rope", bad)
     tfcompat.clear_cache()
     rot, config = rotary("qwen3")
     dim = rope_parameters(config).head_dim

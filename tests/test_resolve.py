@@ -16,6 +16,9 @@ from tfcompat.version import is_transformers_version_in_range, transformers_vers
 
 from _helpers import installed
 
+#: the ``tfcompat`` command's subcommands, which docstrings name in double backticks too
+COMMANDS = {"report", "check", "vendor"}
+
 
 def test_installed_families_follow_the_release():
     have = set(installed())
@@ -239,8 +242,9 @@ def test_rope_index_resolution_is_the_method_rope_index_calls(name):
 
 
 def test_docstrings_name_modules_that_exist():
-    """Every :mod:`...` a docstring names (relative to its own package, or absolute) is a module of the package:
-    moved rooms left docstrings naming modules that no longer existed."""
+    """Every :mod:`...` a docstring names (relative to its own package, or absolute) is a module of the package,
+    and so is the module a relative :func:`.module.name` (or :class:, :data:, :meth:) names: moved rooms left
+    docstrings naming modules that no longer existed (the feature folders moved 17 modules)."""
     import pathlib
     import re
 
@@ -252,7 +256,12 @@ def test_docstrings_name_modules_that_exist():
     stale = []
     for path in root.rglob("*.py"):
         package = ".".join(path.relative_to(root.parent).parent.parts)
-        for name in re.findall(r":mod:`~?([.\w]+)`", path.read_text()):
+        text = path.read_text()
+        found = re.findall(r":mod:`~?([.\w]+)`", text)
+        found += [".".join(name.split(".")[:2]) if not name.startswith("..") else
+                  "." * (len(name) - len(name.lstrip("."))) + name.lstrip(".").split(".")[0]
+                  for name in re.findall(r":(?:func|class|data|meth|attr):`~?(\.[.\w]+\.\w+)`", text)]
+        for name in found:
             if name.startswith("."):
                 dots = len(name) - len(name.lstrip("."))
                 base = package.rsplit(".", dots - 1)[0] if dots > 1 else package
@@ -299,6 +308,7 @@ def test_docstrings_name_private_things_that_exist():
     checkout = pathlib.Path(__file__).resolve().parent.parent  # setup.py beside the package
     known = modules | {p.name for p in files} | {p.name for p in checkout.glob("*.py")}
     aliases: dict = {}
+    defined: set = set()  # the package's functions and classes (``patch``)
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):  # what the package defines, not every name it uses
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -314,6 +324,10 @@ def test_docstrings_name_private_things_that_exist():
                 known.add(node.value)  # a name the code looks up (getattr, a hook's name)
             elif isinstance(node, ast.alias):  # an import's name means something in its own file only
                 aliases.setdefault(path, set()).add(node.asname or node.name.split(".")[-1])
+            elif isinstance(node, ast.arg):  # a parameter the docstring describes (``window``)
+                known.add(node.arg)
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                defined.add(node.name)
     upstream = pathlib.Path(transformers.__file__).parent
     stale = []
     for path in files:
@@ -328,4 +342,14 @@ def test_docstrings_name_private_things_that_exist():
                     any(f"def {name}(" in f.read_text() for f in upstream.rglob("*utils*.py")):
                 continue  # upstream's own helper (``_compute_yarn_parameters``)
             stale.append(f"{path.relative_to(root)}: {name}")
+        # a plain ``module`` names a sibling of this file's folder, a public module, or a name the package defines:
+        # a module moved to another feature's folder is named by its path (``_attention.boundaries``)
+        siblings = {p.stem for p in path.parent.glob("*.py")} | {p.name for p in path.parent.iterdir() if p.is_dir()}
+        here = {n.id for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Name)} | {
+            getattr(n, "arg", None) or getattr(n, "name", None) or getattr(n, "value", None)
+            for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.arg, ast.FunctionDef, ast.ClassDef, ast.Constant))}
+        for name in re.findall(r"``([a-z]\w*)``", text):
+            elsewhere = name in modules and name not in siblings and not (root / f"{name}.py").exists()
+            if elsewhere and name not in here | defined | COMMANDS | {root.name} and name not in aliases.get(path, ()):
+                stale.append(f"{path.relative_to(root)}: {name} (a module of another folder)")
     assert not stale, stale

@@ -1,10 +1,13 @@
-"""The package's rooms by lifetime, read from its files with ``ast`` (nothing imported): each room imports only
-itself and the rooms below it, counting module-level imports and imports inside functions alike, in the order
+"""The package's rooms: a folder per feature (``_rope``, ``_attention``, ``_parallel``, ``_probe``, ``_step``,
+``_tools``), each module on the floor of its lifetime, read from its files with ``ast`` (nothing imported). Each
+module imports only its own floor and the floors below it, counting module-level imports and imports inside
+functions alike, in the order
 
-    base (errors, version, _provenance) < _kernels < _probe < _step < the public face < _tools
+    base (errors, version, _provenance) < kernel < probe < step < the public face < tools
 
-and the longest chain of imports (the floors) is what the README and docs/design.md state, at most 7 for the package
-without the tools, counted both ways. No cycle either way."""
+:data:`FLOORS` places every module (a new module fails :func:`test_every_module_has_a_floor` until it is placed),
+and the longest chain of imports (the floors) is what the README and docs/design.md state, at most 7 for the
+package without the tools, counted both ways. No cycle either way."""
 
 import functools
 import pathlib
@@ -19,8 +22,22 @@ from _helpers import ONCE
 pytestmark = ONCE  # the package's files: no release moves them
 
 ROOT = pathlib.Path(tfcompat.__file__).parent
-ORDER = ("base", "_kernels", "_probe", "_step", "public", "_tools")
-BASE = {"errors", "version", "_provenance"}
+ORDER = ("base", "kernel", "probe", "step", "public", "tools")
+#: every module's floor, by feature: a folder's name with ``.*`` places the whole folder (its ``__init__`` too)
+FLOORS = {
+    "base": ("errors", "version", "_provenance"),
+    "kernel": ("_kernels.*",
+               "_rope", "_rope.native", "_rope.fused", "_rope.fused_proof", "_rope.implementation",
+               "_attention", "_attention.cu", "_attention.gpu_calls", "_attention.kernel_choice", "_attention.kernels",
+               "_parallel", "_parallel.collectives", "_parallel.context"),
+    "probe": ("_probe.*", "_rope.settings"),
+    "step": ("_step.*",
+             "_attention.starts", "_attention.boundaries", "_attention.traced", "_attention.attend",
+             "_attention.bundled",
+             "_parallel.shards"),
+    "public": ("", "config", "embeds", "packing", "rope", "testing", "trainer", "ulysses", "varlen"),
+    "tools": ("_tools.*", "__main__"),
+}
 DOCS = tuple(pathlib.Path(__file__).resolve().parents[1] / name for name in ("README.md", "docs/design.md"))
 
 
@@ -33,21 +50,46 @@ def _module_graph(function_level=True):
 
 
 def room(module):
-    head = module.split(".")[0]
-    if module in BASE:
-        return "base"
-    if head in ("_kernels", "_probe", "_step", "_tools") or module == "__main__":
-        return "_tools" if module == "__main__" else head
-    return "public"
+    """The floor :data:`FLOORS` gives a module (None: not placed)."""
+    folder = module.split(".")[0] + ".*"
+    for floor, names in FLOORS.items():
+        if module in names or folder in names:
+            return floor
+    return None
+
+
+def test_every_module_has_a_floor():
+    """Every module of the package is placed in :data:`FLOORS`, and every name there is a module (no stale row)."""
+    graph = _module_graph()
+    unplaced = sorted(m for m in graph if room(m) is None)
+    stale = sorted(n for names in FLOORS.values() for n in names
+                   if not n.endswith(".*") and n not in graph
+                   or n.endswith(".*") and not any(m.split(".")[0] == n[:-2] for m in graph))
+    assert not unplaced and not stale, (unplaced, stale)
+
+
+def test_a_feature_lives_in_one_folder():
+    """The kernels, probes and step code of RoPE, packed attention and sequence parallelism live in their feature's
+    folder, and no module name is used twice (``rope.py`` beside ``_kernels/rope.py`` made every change a tour)."""
+    graph = _module_graph()
+    leaves = {}
+    for m in graph:
+        if m and "." in m:
+            leaves.setdefault(m.rpartition(".")[2], []).append(m)
+    public = {m for m in graph if m and "." not in m}
+    twice = sorted((leaf, where) for leaf, where in leaves.items() if len(where) > 1 or leaf in public)
+    assert not twice, twice
+    for feature in ("_rope", "_attention", "_parallel"):
+        assert {room(m) for m in graph if m.split(".")[0] == feature} >= {"kernel"}, feature
 
 
 def floors(graph, tools):
     """The longest chain of imports (in modules, the importing one and ``errors`` included) above each module."""
     @functools.lru_cache(maxsize=None)
     def floor(m):
-        return 1 + max((floor(d) for d in graph[m] if tools or room(d) != "_tools"), default=0)
+        return 1 + max((floor(d) for d in graph[m] if tools or room(d) != "tools"), default=0)
 
-    return {m: floor(m) for m in graph if tools or room(m) != "_tools"}
+    return {m: floor(m) for m in graph if tools or room(m) != "tools"}
 
 
 @pytest.mark.parametrize("function_level", [False, True], ids=["module-level", "function-level"])
@@ -87,9 +129,9 @@ def test_room_rules():
     kernels import only the base and each other (pure tensor code)."""
     graph = _module_graph()
     bad = [f"{m} -> {d}" for m, deps in graph.items() for d in deps
-           if (room(d) == "_tools" and room(m) != "_tools")
+           if (room(d) == "tools" and room(m) != "tools")
            or (d == "testing" and ORDER.index(room(m)) < ORDER.index("public"))
-           or (room(m) == "_kernels" and room(d) not in ("base", "_kernels"))]
+           or (room(m) == "kernel" and room(d) not in ("base", "kernel"))]
     assert not bad, bad
 
 

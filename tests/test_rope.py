@@ -226,12 +226,12 @@ def test_torch_compile_fullgraph(name):
 def test_explicit_triton_under_compile_says_the_composite_ran(name):
     """impl="triton" traced by torch.compile runs the composite (the compiler fuses it): said by a warning at trace
     time, with no graph break, and the numbers are upstream's (the kernel is never launched inside a graph)."""
-    from tfcompat._kernels import rotation  # private: the rotation's kernel choice is under test
+    from tfcompat._rope import implementation  # private: the rotation's kernel choice is under test
     from tfcompat.rope import prepare
 
     config, cos, sin, q, k, g = _inputs(name, 2, 9, torch.float32, 1, seed=7)
     prepare(config)
-    rotation._SAID.difference_update({m for m in rotation._SAID if "under torch.compile" in m})
+    implementation._SAID.difference_update({m for m in implementation._SAID if "under torch.compile" in m})
     torch._dynamo.reset()
     explained = torch._dynamo.explain(lambda a, b, c, s: apply_rope(a, b, c, s, config=config, impl="triton"))
     with pytest.warns(RuntimeWarning, match=rf"impl='triton'\) for {name} under torch.compile: the compiler traces"):
@@ -288,17 +288,17 @@ def test_composite_dispatches_few_ops_and_no_host_sync(name):
 @pytest.mark.skipif(not triton_ready(), reason="needs triton in its interpreter (TRITON_INTERPRET=1) or a GPU")
 @pytest.mark.parametrize("name", FAMILIES)
 def test_triton_is_one_launch_each_way(name):
-    from tfcompat._kernels import rope_triton  # private: the Triton kernel is the room under test
+    from tfcompat._rope import fused  # private: the Triton kernel is the room under test
 
     config, cos, sin, q, k, _ = _inputs(name, 2, 9, torch.bfloat16, 1, seed=8)
     q.requires_grad_(True)
-    before = rope_triton.launches
+    before = fused.launches
     oq, ok = apply_rope(q * 1, k, cos, sin, config=config, impl="triton")
-    assert rope_triton.launches == before + 1
+    assert fused.launches == before + 1
     (oq.float().sum() + ok.float().sum()).backward()
-    assert rope_triton.launches == before + 2
+    assert fused.launches == before + 2
     apply_rope_(q * 1, k * 1, cos, sin, config=config, impl="triton")  # in place, not views: one launch too
-    assert rope_triton.launches == before + 3
+    assert fused.launches == before + 3
 
 
 @pytest.mark.parametrize("qb,kb", [(2, 1), (1, 2)])
@@ -321,18 +321,18 @@ def test_q_and_k_of_different_batches_equal_upstream(qb, kb):
 def test_triton_launch_refuses_what_it_cannot_index():
     """The launch checks shapes, dtypes and devices itself: no call reaches the kernel with sizes it would
     read or write out of bounds, whoever calls it."""
-    from tfcompat._kernels import rope_triton  # private: the Triton kernel is the room under test
+    from tfcompat._rope import fused  # private: the Triton kernel is the room under test
     from tfcompat.errors import RopeShapeError
 
     name = next(n for n in FAMILIES if not SPECS[n].vision)
     config, cos, sin, q, k, _ = _inputs(name, 2, 9, torch.float32, 1, seed=2)
-    layout = rope_triton.Layout("neox", "", None)
+    layout = fused.Layout("neox", "", None)
     bad = [(q, k[:1]), (q, k[:, :, :5]), (q, k[..., :8]), (q, k.double())]
     for bq, bk in bad:
         with pytest.raises(RopeShapeError, match="nothing was launched"):
-            rope_triton.rope(bq, bk, cos, sin, layout, 2)
+            fused.rope(bq, bk, cos, sin, layout, 2)
     with pytest.raises(RopeShapeError, match="nothing was launched"):
-        rope_triton.rope(q, k, cos[:, :5], sin[:, :5], layout, 2)
+        fused.rope(q, k, cos[:, :5], sin[:, :5], layout, 2)
 
 
 def test_triton_refuses_clearly_where_it_cannot_run():
@@ -451,34 +451,34 @@ def test_triton_gpu_tile_matches_upstream_interpreted(name, monkeypatch):
     it runs the GPU's own tile (tools/compile_proof.py proves that one compiles without spills), forward and
     backward, bf16, in place and not, on every kernel shape: the tokens split over many programs (each looping over
     every q and k head), a partial last program and a partial-rotary tail copied in chunks."""
-    from tfcompat._kernels import rope_triton  # private: the Triton kernel is the room under test
+    from tfcompat._rope import fused  # private: the Triton kernel is the room under test
 
-    monkeypatch.setattr(rope_triton, "_INTERPRETER_PAIRS", rope_triton._PAIRS)
+    monkeypatch.setattr(fused, "_INTERPRETER_PAIRS", fused._PAIRS)
     dtype, layout = torch.bfloat16, 2
     config, cos, sin, q, k, g = _inputs(name, 2, 33, dtype, layout, seed=7)
     oracle = upstream_rope(name, config)
     gq, gk = torch.randn(q.shape, generator=g).to(dtype), torch.randn(k.shape, generator=g).to(dtype)
     want = _grads(lambda a, b: oracle(a, b, cos, sin, unsqueeze_dim=layout), q, k, gq, gk)
-    before = rope_triton.launches
+    before = fused.launches
     for fn in (apply_rope, apply_rope_):
         got = _grads(lambda a, b, fn=fn: fn(a, b, cos, sin, config=config, unsqueeze_dim=layout, impl="triton"),
                      q, k, gq, gk)
         for label, w, h in zip(("q", "k", "dq", "dk"), want, got):
             where = f"{name} {fn.__name__} {label}"
             torch.testing.assert_close(h, w, **TOL[dtype], msg=lambda m, where=where: f"{where}: {m}")
-    assert rope_triton.launches == before + 4
+    assert fused.launches == before + 4
     # the GPU tile split the tokens: several programs, each every head of its tokens (a (b, s, h, d) layout: the
     # sequence is dim 1), a partial last program (66 tokens)
     if cos.dim() == 3 and cos.shape[-1] <= q.shape[-1]:
-        grid, _, meta = rope_triton._plan(q, k, q, k, cos, sin, rope_triton.Layout("neox", "", None), 1, False)
-        assert meta["BLOCK_T"] * meta["BLOCK_HALF"] <= rope_triton._PAIRS
+        grid, _, meta = fused._plan(q, k, q, k, cos, sin, fused.Layout("neox", "", None), 1, False)
+        assert meta["BLOCK_T"] * meta["BLOCK_HALF"] <= fused._PAIRS
         assert grid[0] > 2 or meta["BLOCK_HALF"] < 16  # a narrow partial rotary holds 66 tokens in one program
         assert grid[0] == -(-q.shape[0] * q.shape[1] // meta["BLOCK_T"])  # programs by tokens, not (token, head)
 
 
-def _broken_launch(rope_triton, monkeypatch, how):
+def _broken_launch(fused, monkeypatch, how):
     """A deliberately broken kernel: the real launch, then its output corrupted; or a launch that fails to compile."""
-    real = rope_triton._launch
+    real = fused._launch
 
     def launch(q, k, qo, ko, cos, sin, layout, seq_dim, inverse, plans=None):
         if how == "compile":
@@ -487,7 +487,7 @@ def _broken_launch(rope_triton, monkeypatch, how):
         with torch.no_grad():
             qo.add_(0.25)
 
-    monkeypatch.setattr(rope_triton, "_launch", launch)
+    monkeypatch.setattr(fused, "_launch", launch)
 
 
 @pytest.mark.skipif(not triton_ready(), reason="needs triton in its interpreter (TRITON_INTERPRET=1)")
@@ -498,22 +498,23 @@ def test_triton_first_use_proof_refuses_a_broken_kernel(how, monkeypatch):
     import warnings
 
     from tfcompat import clear_cache
-    from tfcompat._kernels import rope_proof, rope_triton, table  # private: the kernel and its proofs
+    from tfcompat._kernels import table  # private: the kernel and its proofs
+    from tfcompat._rope import fused, fused_proof
     from tfcompat.errors import TfcompatError
 
     name = "qwen2"
     config, cos, sin, q, k, _ = _inputs(name, 2, 9, torch.float32, 1, seed=3)
     clear_cache()
-    _broken_launch(rope_triton, monkeypatch, how)
+    _broken_launch(fused, monkeypatch, how)
     before = (q.clone(), k.clone())
     with pytest.raises(TfcompatError, match="first-use proof on cpu") as err:
         apply_rope_(q, k, cos, sin, config=config, impl="triton")
     assert ("RuntimeError: PTXASError" if how == "compile" else "max |diff|") in str(err.value)
     assert torch.equal(q, before[0]) and torch.equal(k, before[1])  # nothing was computed with it
-    layout = rope_triton.Layout("neox", "", None)
+    layout = fused.Layout("neox", "", None)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        ok = [rope_proof.proven(q, k, cos, sin, layout, 2, False, "neox", "", explicit=False) for _ in range(3)]
+        ok = [fused_proof.proven(q, k, cos, sin, layout, 2, False, "neox", "", explicit=False) for _ in range(3)]
     assert ok == [False] * 3
     assert len([w for w in seen if "failed its first-use proof" in str(w.message)]) == 1
     records = [r for r in table.proven() if r["kernel"] == "triton"]
@@ -525,17 +526,18 @@ def test_triton_first_use_proof_refuses_a_broken_kernel(how, monkeypatch):
 @pytest.mark.skipif(not triton_ready(), reason="needs triton in its interpreter (TRITON_INTERPRET=1)")
 def test_triton_first_use_proof_runs_once_per_layout():
     from tfcompat import clear_cache
-    from tfcompat._kernels import rope_triton, table  # private: the Triton kernel and its proofs are under test
+    from tfcompat._kernels import table  # private: the Triton kernel and its proofs are under test
+    from tfcompat._rope import fused
 
     clear_cache()
     config, cos, sin, q, k, _ = _inputs("glm4", 2, 9, torch.bfloat16, 2, seed=4)
-    before = rope_triton.proof_launches
+    before = fused.proof_launches
     for _ in range(3):
         apply_rope(q, k, cos, sin, config=config, unsqueeze_dim=2, impl="triton")
     apply_rope_(q.clone(), k.clone(), cos, sin, config=config, unsqueeze_dim=2, impl="triton")  # in place: its own
     records = [r for r in table.proven() if r["kernel"] == "triton"]
     assert len(records) == 2 and all(r["ok"] for r in records), records
-    assert rope_triton.proof_launches - before == 2 * 3  # per proof: forward; forward and backward with grads
+    assert fused.proof_launches - before == 2 * 3  # per proof: forward; forward and backward with grads
     clear_cache()
 
 
@@ -659,7 +661,7 @@ def test_fused_qkv_slices_are_checked_on_their_layout_alone():
     sharing one. The check reads the layout only (a CPU bitmap over the views' span, once per layout): meta
     tensors of a 7B-sized fused projection answer too (it allocated a bool buffer of the whole storage on q's
     device, and read it back, on every call)."""
-    from tfcompat._kernels.rope import share_elements as _share_elements  # private: the layout rule
+    from tfcompat._rope.native import share_elements as _share_elements  # private: the layout rule
 
     for device in ("cpu", "meta"):
         qkv = torch.empty(1, 4096, (28 + 2 * 4) * 128, device=device).view(1, 4096, 36, 128)
@@ -675,14 +677,14 @@ def test_rope_triton_per_layer_calls(monkeypatch):
     host code (before: 24, the plan re-made per layer). The kernel's own body, which the interpreter runs as Python
     where a GPU runs it compiled, is not host code and is not counted."""
     import tfcompat
-    from tfcompat._kernels import rope_triton  # private: the Triton kernel is the room under test
+    from tfcompat._rope import fused  # private: the Triton kernel is the room under test
     from tfcompat.packing import pack
     from tfcompat.testing import tiny_model, tiny_sequence
 
     from _helpers import calls_per_layer
 
     monkeypatch.setenv("TFCOMPAT_ROPE_IMPL", "triton")
-    kernel_bodies = {(f.fn.__code__.co_filename, f.fn.__name__) for f in vars(rope_triton).values()
+    kernel_bodies = {(f.fn.__code__.co_filename, f.fn.__name__) for f in vars(fused).values()
                      if hasattr(f, "fn") and hasattr(f, "run")}  # @triton.jit functions
     assert len(kernel_bodies) >= 4, "the Triton kernels are not found as jit functions"
     rows = [tiny_sequence("qwen2", text=7), tiny_sequence("qwen2", text=4)]
@@ -691,7 +693,7 @@ def test_rope_triton_per_layer_calls(monkeypatch):
     for i, row in enumerate(rows):
         ids[i, :len(row)], mask[i, :len(row)] = torch.tensor(row), 1
     pk = pack(ids, mask)
-    before = rope_triton.launches
+    before = fused.launches
 
     def build(layers):
         model = tiny_model("qwen2", num_hidden_layers=layers)
@@ -700,5 +702,5 @@ def test_rope_triton_per_layer_calls(monkeypatch):
 
     per_layer, counts = calls_per_layer(build, dict(input_ids=pk.input_ids, position_ids=pk.position_ids,
                                                     use_cache=False), kernel_bodies)
-    assert rope_triton.launches > before, "the Triton kernel did not run"
+    assert fused.launches > before, "the Triton kernel did not run"
     assert per_layer["tfcompat"] <= 12, f"{per_layer['tfcompat']} tfcompat calls per layer ({counts})"

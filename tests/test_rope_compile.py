@@ -72,7 +72,7 @@ def test_the_proof_fails_a_spilling_launch(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     code = ("import sys; sys.path.insert(0, 'tools'); import compile_proof as cp; "
-            "from tfcompat._kernels import rope_triton as rt; rt._PAIRS = 8192; "
+            "from tfcompat._rope import fused as rt; rt._PAIRS = 8192; "
             "rows, limit = cp.prove((90,), only='neox d128 rd128 bfloat16/bfloat16 fwd train'); "
             "print([cp.verdict(r, limit) for r in rows])")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,

@@ -6,15 +6,8 @@ import itertools
 
 import torch
 
-from tfcompat._step.labels import (
-    label_starts,  # private: the eager labels' starts
-    traced_label_starts,  # private: its traced twin
-)
-from tfcompat._step.starts import (  # private: the eager readings
-    _traced_starts_of_positions,  # private: the traced twin
-    padded_starts,
-    starts_of,
-)
+from tfcompat._attention.starts import _traced_starts_of_positions, padded_starts, starts_of
+from tfcompat._step.labels import label_starts, traced_label_starts
 from tfcompat.errors import PackingError
 
 from _helpers import ONCE

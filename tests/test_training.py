@@ -459,7 +459,7 @@ def test_deepcopy_pickle_and_save_of_a_patched_model(name):
 
 def test_a_bundled_forward_state_pickled_without_its_body_is_refused(monkeypatch):
     """The bundled attention forward is a body patch() binds on each forward-route module's state
-    (``_step/bundled.py``). A state pickled by tfcompat 0.3.0 names no body (its dispatcher held it): unpickled, a
+    (``_attention/bundled.py``). A state pickled by tfcompat 0.3.0 names no body (its dispatcher held it): unpickled, a
     packed step is refused with what to do, not run through another body; patched again, it equals the original."""
     from tfcompat._step.install import _ATTR  # private: the per-module state under test
 
@@ -856,11 +856,11 @@ def test_per_layer_calls_on_the_gpu_kernels(kind, monkeypatch):
     stand-ins registered where tfcompat looks the real ones up and the kernel chosen for these CPU tensors: the
     step binds the proven kernel once, so a layer makes no more calls than on the SDPA path (at most 12; before
     the step bound its call: 15 and 16)."""
-    from tfcompat._kernels import (
-        table,  # private: the kernel and proof table is under test
-        varlen_choice,  # private: stand-in kernels are registered where the rows look them up
+    from tfcompat._attention import (
+        kernel_choice,
+        kernels,  # private: the kernel chosen for CPU tensors is set here
     )
-    from tfcompat._kernels import varlen as kernels  # private: the kernel chosen for CPU tensors is set here
+    from tfcompat._kernels import table
 
     seen = []
 
@@ -869,10 +869,10 @@ def test_per_layer_calls_on_the_gpu_kernels(kind, monkeypatch):
         return kind
 
     monkeypatch.setattr(kernels, "_kind", chosen)
-    monkeypatch.setattr(varlen_choice, "_FLASH", _stand_in_flash)
-    monkeypatch.setattr(varlen_choice, "_FLASH3", _stand_in_flash3)
-    monkeypatch.setattr(varlen_choice, "torch_varlen", lambda: _stand_in_torch)
-    monkeypatch.setattr(varlen_choice, "torch_takes_gqa", lambda: True)
+    monkeypatch.setattr(kernel_choice, "_FLASH", _stand_in_flash)
+    monkeypatch.setattr(kernel_choice, "_FLASH3", _stand_in_flash3)
+    monkeypatch.setattr(kernel_choice, "torch_varlen", lambda: _stand_in_torch)
+    monkeypatch.setattr(kernel_choice, "torch_takes_gqa", lambda: True)
     try:
         per_layer, counts = _per_layer("qwen2")
         proven = [r for r in table.proven() if r.get("kernel") == kind]

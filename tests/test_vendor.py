@@ -177,7 +177,7 @@ def test_vendor_makes_the_parent_packages_a_wheel_needs(tmp_path):
 
     names = zipfile.ZipFile(tmp_path / "dist" / out.stdout.strip().splitlines()[-1]).namelist()
     for want in ("myproj/_vendor/__init__.py", "myproj/_vendor/tfcompat/__init__.py",
-                 "myproj/_vendor/tfcompat/rope.py", "myproj/_vendor/tfcompat/_kernels/rope.py",
+                 "myproj/_vendor/tfcompat/rope.py", "myproj/_vendor/tfcompat/_rope/native.py",
                  "myproj/_vendor/tfcompat/_provenance.py"):
         assert want in names, (want, sorted(names)[:20])
     # the wheel names the version and the commit the copy came from (VENDORED, not a module, stays behind)
@@ -253,6 +253,40 @@ def test_the_config_layer_reads_rope_parameters(tmp_path):
     assert out.strip() == repr(rope_parameters(transformers.AutoConfig.from_pretrained(tmp_path / "cfg")))
 
 
+def test_the_varlen_layer_attends_a_packed_row(tmp_path):
+    """`vendor --only varlen`: the packed-attention feature (``pack`` and ``varlen_attention``) from a copy holding
+    no patch, no tools and no testing; its packed attention gives the original package's numbers, bit for bit, and
+    every sequence's rows equal torch's own SDPA on that sequence alone (the oracle)."""
+    import torch
+
+    from tfcompat.packing import pack
+    from tfcompat.varlen import varlen_attention
+
+    dest = _vendor_layer(tmp_path, "varlen")
+    assert not (dest / "_tools").exists() and not (dest / "testing.py").exists() and not (dest / "_step" /
+                                                                                          "patch.py").exists()
+    torch.manual_seed(0)
+    ids = torch.tensor([[5, 6, 7, 8, 9], [9, 10, 11, 0, 0]])
+    mask = (ids != 0).long()
+    q, k, v = (torch.randn(8, 4, 16) for _ in range(3))  # 5 + 3 real tokens
+    torch.save((ids, mask, q, k, v), tmp_path / "in.pt")
+    _in_copy(tmp_path, (
+        "import torch\n"
+        "from proj._vendor.tfcompat.packing import pack\n"
+        "from proj._vendor.tfcompat.varlen import varlen_attention\n"
+        "ids, mask, q, k, v = torch.load('in.pt')\n"
+        "pk = pack(ids, mask)\n"
+        "torch.save((pk.cu_seqlens, varlen_attention(q, k, v, pk.cu_seqlens, causal=True)), 'out.pt')\n"))
+    cu, got = torch.load(tmp_path / "out.pt")
+    pk = pack(ids, mask)
+    assert torch.equal(cu, pk.cu_seqlens)
+    assert torch.equal(got, varlen_attention(q, k, v, pk.cu_seqlens, causal=True))
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        want = torch.nn.functional.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)),
+                                                                is_causal=True).transpose(0, 1)
+        torch.testing.assert_close(got[a:b], want)
+
+
 @BOUNDARY_ONLY
 def test_the_patch_layer_trains_a_packed_row(tmp_path):
     """`vendor --only patch`: tfcompat.patch and packing from the copy; a packed row equals the padded batch on a
@@ -293,12 +327,12 @@ def test_the_readme_gives_each_layers_size(tmp_path):
     room moves them more)."""
     text = " ".join((ROOT / "README.md").read_text().split())
     stated = {m.group(1): (int(m.group(2)), int(m.group(3).replace(",", ""))) for m in
-              re.finditer(r"`--only (rope|config|patch)` \((\d+) files, ([\d,]+) lines", text)}
+              re.finditer(r"`--only (rope|config|varlen|patch)` \((\d+) files, ([\d,]+) lines", text)}
     whole = re.search(r"the whole package: (\d+) files, ([\d,]+) lines", text)
-    assert set(stated) == {"rope", "config", "patch"} and whole, "the README no longer gives the layers' sizes"
+    assert set(stated) == {"rope", "config", "varlen", "patch"} and whole, "the README no longer gives the sizes"
     stated["whole"] = (int(whole.group(1)), int(whole.group(2).replace(",", "")))
     got = {}
-    for layer in ("rope", "config", "patch", "whole"):
+    for layer in ("rope", "config", "varlen", "patch", "whole"):
         dest = tmp_path / layer / "tfcompat"
         extra = ["--only", layer] if layer != "whole" else []
         out = subprocess.run([sys.executable, "-m", "tfcompat", "vendor", str(dest), *extra], capture_output=True,

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ._probe import rope_params as _rope_params
 from ._probe.families import text_config
-from ._probe.rope_params import FrozenDict, RopeParameters  # noqa: F401  (public here)
+from ._rope import settings as _settings
+from ._rope.settings import FrozenDict, RopeParameters  # noqa: F401  (public here)
 
 __all__ = ["RopeParameters", "drift", "rope_parameters", "text_config"]
 
@@ -30,7 +30,7 @@ def rope_parameters(config: Any, *, model_type: Optional[str] = None) -> RopePar
     >>> rp.rope_theta, rp.mrope_section, rp.rotary_dim
     (10000.0, (4, 6, 6), 32)
     """
-    return _rope_params.rope_parameters(config, model_type=model_type)
+    return _settings.rope_parameters(config, model_type=model_type)
 
 
 def drift(path_or_config: Any) -> list:

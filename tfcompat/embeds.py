@@ -27,8 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Optional
 
-from ._step.dummy import (  # noqa: F401  (public here: the vision outputs and the dummy towers the step runs)
-    _tie_function,
+from ._step.dummy import (
     _vl_model,
     dummy_audio_zero,
     dummy_visual_inputs,

@@ -171,7 +171,7 @@ def current() -> Any:
 @contextlib.contextmanager
 def packed(cu_seqlens: torch.Tensor, max_seqlen: Optional[int] = None) -> Iterator[Any]:
     """Within the block, patched attention uses these boundaries (int32 (num_seqs + 1,))."""
-    from ._kernels.cu import check_cu_seqlens, check_longest
+    from ._attention.cu import check_cu_seqlens, check_longest
 
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise PackingError(f"packed: cu_seqlens must be a 1-D tensor (0, ..., total), got {cu_seqlens!r}")

@@ -39,9 +39,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from ._kernels.rotation import IMPLS, Rotation, chosen_impl, impl_for, upstream
 from ._probe import resolve as _resolve
 from ._probe.families import family as _family
+from ._rope.implementation import IMPLS, Rotation, chosen_impl, impl_for, upstream
 from .errors import ConfigError, RopeShapeError
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ def _section(fam, config, mrope_section, plan, cos):
             raise RopeShapeError(f"apply_rope for {fam.name}: mrope_section must be integers, got "
                                  f"{mrope_section!r}") from None
     elif config is not None:
-        from ._probe.rope_params import rope_parameters
+        from ._rope.settings import rope_parameters
 
         section = rope_parameters(config, model_type=fam.name).mrope_section
     else:
@@ -280,7 +280,7 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     rotates with that kernel; otherwise, where upstream's attention calls ``ALL_ATTENTION_FUNCTIONS``, upstream's
     forward rotates with its own function.
     """
-    from ._kernels.rope import overlaps_itself, share_elements  # torch: imported at the first call
+    from ._rope.native import overlaps_itself, share_elements  # torch: imported at the first call
 
     chosen = chosen_impl(impl)
     fam, res, seq_dim = _prepare(q, k, cos, sin, config, model_type, mrope_section, unsqueeze_dim)

@@ -21,18 +21,16 @@ from typing import Any, Optional
 
 import torch
 
-from ._kernels import collectives as _collectives
-from ._kernels.collectives import (  # noqa: F401  (the kernels, public here)
+from ._parallel import collectives as _collectives
+from ._parallel.collectives import (
     _AllToAll,
     _size,
     all_gather,
     padded_length,
     repeat_kv_for_group,
     slice_for_rank,
-    to_heads,
-    to_sequence,
 )
-from ._step.shards import slice_inputs  # noqa: F401  (public here)
+from ._parallel.shards import slice_inputs  # noqa: F401  (public here)
 from .errors import UlyssesError
 
 __all__ = ["UlyssesError", "gather_seq_scatter_heads", "gather_heads_scatter_seq", "slice_for_rank",

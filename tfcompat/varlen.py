@@ -27,10 +27,10 @@ from typing import Optional
 
 import torch
 
-from ._kernels.cu import check_cu_seqlens, check_longest
-from ._kernels.varlen import _HALF, _ROWS, _kind, _varlen  # noqa: F401  (the kernels, below the face)
+from ._attention.cu import check_cu_seqlens, check_longest
+from ._attention.kernels import _HALF, _ROWS, _kind, _varlen  # noqa: F401  (the kernels, below the face)
+from ._attention.starts import restarts
 from ._probe import backends as _backends
-from ._step.starts import restarts
 from .errors import PackingError
 
 __all__ = ["PackingError", "cu_seqlens_from_position_ids", "check_cu_seqlens", "varlen_attention",

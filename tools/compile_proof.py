@@ -5,7 +5,7 @@ compiler for real targets on this CPU, with ptxas's register and spill counts.
     python tools/compile_proof.py --arch 90 --json proof.json --jobs 2
     python tools/compile_proof.py --arch 90 --part 0/2     # every other variant (the tests run the parts apart)
 
-The variants are what the launcher computes (``rope_triton._plan``, the function every launch goes through), over
+The variants are what the launcher computes (``fused._plan``, the function every launch goes through), over
 every layout ``apply_rope(impl="triton")`` hands it: NeoX, GPT-J with either cos layout and DeepSeek's interleaved
 (MLA) layout; folded or 3-row mRoPE cos; forward and inverse (the backward); out of place (a partial-rotary tail
 copied) and in place; fp32, bf16 and fp16 (cos in the same dtype, and fp32 cos beside bf16/fp16 q); the head and
@@ -15,7 +15,7 @@ specialises differently (a 1 becomes a constant). Each is bound by Triton's own 
 signature, constants and alignment attributes are those a launch on that GPU compiles, deduplicated by them.
 
 A variant fails on a compile error, any spill byte, or more registers a thread than the launch is designed for
-(``rope_triton._MAX_REGISTERS``). Exit status 0 only if every variant passes. The table's columns: variant,
+(``fused._MAX_REGISTERS``). Exit status 0 only if every variant passes. The table's columns: variant,
 target, registers, spill stores/loads (bytes), the loads outside / inside the head loops in Triton's IR (a program
 loads its tokens' cos/sin once, 4 loads (2 for GPT-J's half cos), then loops over every q and k head: cos/sin are
 read per token, not per (token, head)), compile seconds.
@@ -93,7 +93,7 @@ def variants(full=False):
     """Every (label, grid, args, meta) the launcher produces over the enumeration (CPU tensors, nothing runs)."""
     import torch
 
-    from tfcompat._kernels import rope_triton as rt
+    from tfcompat._rope import fused as rt
 
     out = []
     for name, rotation, gptj_cos, rows3, dim, rd, (shape, batch, seq, hq, hk), dt, cdt in _cases(full):
@@ -142,7 +142,7 @@ def _compile(job):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from tfcompat._kernels import rope_triton as rt
+    from tfcompat._rope import fused as rt
 
     if full not in _VARIANTS:
         _VARIANTS[full] = variants(full)
@@ -212,7 +212,7 @@ def prove(archs=ARCHS, jobs=1, only=None, full=False, part=(0, 1)):
     """Compile every variant for every target; returns (rows, max registers). ``only``: label substring filter;
     ``part`` (k, n): the variants whose place in the enumeration is k modulo n."""
     os.environ.pop("TRITON_INTERPRET", None)
-    from tfcompat._kernels import rope_triton as rt
+    from tfcompat._rope import fused as rt
 
     if not hasattr(rt._rope_kernel, "params"):
         raise SystemExit("compile_proof: Triton's interpreter replaced the kernels (TRITON_INTERPRET was set when "

@@ -1,14 +1,15 @@
-"""Which kernel serves a call, for every op: the kernel table's rows (``rotation.ROWS``, ``varlen_choice.ROWS``)
+"""Which kernel serves a call, for every op: the kernel table's rows (``implementation.ROWS``, ``kernel_choice.ROWS``)
 filtered by what this machine has, decided once per process. Pure environment reads: nothing of transformers, no
 torch at import (``_probe.backends`` re-exports it, with each op's own reads, for ``report``)."""
 
 from typing import Any
 
-from . import rotation, varlen_choice
+from .._attention import kernel_choice
+from .._rope import implementation
 
 __all__ = ["rows", "unavailable", "select"]
 
-_OPS = {"rope": rotation, "varlen": varlen_choice}
+_OPS = {"rope": implementation, "varlen": kernel_choice}
 
 
 def rows(op: str):

@@ -3,8 +3,8 @@
 Every RoPE implementation and packed-attention kernel is a row (:class:`Impl`): the operation, its name, the
 devices ``auto`` picks it on, the dtypes it serves there, its priority, whether it is a GPU kernel that must prove
 itself before it serves, and the row's own ``available()``, call and proof, so no caller branches on a kernel's
-name. The rows live beside each op's choice (``rotation``, ``varlen_choice``); ``choice`` reads them all for
-``report``; :func:`pick` selects from them.
+name. The rows live beside each op's choice (``_rope.implementation``, ``_attention.kernel_choice``); ``choice``
+reads them all for ``report``; :func:`pick` selects from them.
 
 First use proves the kernel: the first time a GPU kernel would serve a (kernel, device, dtype, layout) in this
 process, it runs once on a small slice of the real inputs beside the proven path (the composite RoPE, the exact
@@ -29,7 +29,7 @@ __all__ = ["Impl", "installed", "torch_ships", "pick", "first_use", "passed", "p
 
 class Impl(NamedTuple):
     """One row: what the kernel is, where ``auto`` picks it, and what it does there. The rows live beside their
-    kernels' choice (``rotation.ROWS``, ``varlen_choice.ROWS``); :func:`choice.rows` reads both."""
+    kernels' choice (``implementation.ROWS``, ``kernel_choice.ROWS``); :func:`choice.rows` reads both."""
 
     op: str  # "rope" or "varlen"
     name: str

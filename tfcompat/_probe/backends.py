@@ -1,23 +1,23 @@
 """The environment as ``report`` lists it beside the per-family resolutions: the kernel table, the packed-attention
-kernel and the RoPE implementation per device (decided in ``_kernels.rotation`` and ``_kernels.varlen_choice``,
+kernel and the RoPE implementation per device (decided in ``_rope.implementation`` and ``_attention.kernel_choice``,
 re-exported here), the versions.
 
 Imports: the records (``plans.Resolution``), the version reader and the kernels below it.
 """
 
 from .. import version as _version
-
-# the kernel choice and what it reads, re-exported: report, the checks and the tests read them here
-from .._kernels.choice import rows, select, unavailable  # noqa: F401
-from .._kernels.rotation import impl_for, triton_kernels  # noqa: F401
-from .._kernels.table import installed, torch_ships  # noqa: F401
-from .._kernels.varlen_choice import (  # noqa: F401
+from .._attention.kernel_choice import (
     flash_varlen,
     torch_varlen_params,
     torch_varlen_signature,
     varlen_kernel,
     varlen_unfit,
 )
+
+# the kernel choice and what it reads, re-exported: report, the checks and the tests read them here
+from .._kernels.choice import rows, select, unavailable  # noqa: F401
+from .._kernels.table import installed, torch_ships  # noqa: F401
+from .._rope.implementation import impl_for, triton_kernels  # noqa: F401
 from .plans import Resolution
 
 __all__ = ["installed", "torch_ships", "torch_varlen_signature", "torch_varlen_params", "varlen_unfit", "varlen_kernel",

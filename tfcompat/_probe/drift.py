@@ -19,12 +19,12 @@ import shutil
 import tempfile
 from typing import Any
 
+from .._rope.settings import rope_dict
 from ..errors import ConfigError, TfcompatError
 from . import derived as _derived
 from .derived import Drift
 from .derived import text_part as _text_part
 from .families import text_config
-from .rope_params import rope_dict
 
 
 def load_config(path: str) -> Any:

@@ -202,7 +202,7 @@ def _resolve_attention(fam, capability):
 def _resolve_carrier(fam, capability):
     """How a packed step reaches the attention kernel (probes in :mod:`.carrier`): ``interface`` where the installed
     attention forward hands its call and ``**kwargs`` to ``ALL_ATTENTION_FUNCTIONS`` (tfcompat keeps upstream's forward
-    and serves the call), else ``forward`` (tfcompat's bundled forward, ``_step/bundled.py``)."""
+    and serves the call), else ``forward`` (tfcompat's bundled forward, ``_attention/bundled.py``)."""
     module = _modeling(fam, capability)
     forward = _method(module, fam.attention, "forward", capability)
     routed = _probe(capability, "whether the attention calls ALL_ATTENTION_FUNCTIONS with its kwargs", forward,

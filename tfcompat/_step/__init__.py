@@ -1,8 +1,7 @@
-"""Step time: ``patch`` installs the forwards here; a packed step's boundaries are found once (``boundaries``,
-``shards``), carried down on the rotary module's output (``install``, ``scope``), and every layer reads only its
-arguments, the step and what patch time bound (``forwards``; the attention's ``attend``: upstream's forward with
-tfcompat's call through ``AttentionInterface`` where the release routes it, else the bundled forward, which
-prepares the step's rotation once per layout); the text model's step (``text``, ``traced``), the top model and
-vision owner (``top``), the towers' dummy forwards (``dummy``), the placeholder tokens (``tokens``) and the mRoPE
-positions (``rope_index``).
+"""Step time: ``patch`` installs the forwards here (``install``: what a patched module carries; ``forwards``: the
+rotary, decoder-layer and linear-mixer forwards); the text model decides a packed step once (``text``), the top
+model and the vision owner hand it down (``top``), ``scope`` carries what no argument reaches, the towers run their
+dummy forwards (``dummy``), the placeholder tokens (``tokens``), the loss labels of a packed row (``labels``) and
+the mRoPE positions (``rope_index``). The attention call itself and the step's boundaries are the attention
+feature's (:mod:`.._attention`), the shards the parallel feature's (:mod:`.._parallel`).
 """

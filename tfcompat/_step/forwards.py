@@ -1,8 +1,8 @@
 """The patched forwards, each a module-level function of ``(module, *args, **kwargs)`` installed by reference
 (:data:`.patch.FORWARDS`): here the rotary module (hands the step to the layers on its output, checked once a step:
 :func:`check_cos`), the decoder layers and the linear-attention mixers, which read only their arguments, the step and
-what patch time bound; the attention's in :mod:`.attend`, the text model's in :mod:`.text`, the top model's and the
-vision owner's in :mod:`.top`.
+what patch time bound; the attention's in :mod:`.._attention.attend`, the text model's in :mod:`.text`, the top
+model's and the vision owner's in :mod:`.top`.
 """
 
 from __future__ import annotations

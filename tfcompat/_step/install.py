@@ -1,7 +1,8 @@
 """What a patched module carries: its state, the callable that replaces its ``forward`` (keeping upstream's
 signature), the carriers of a packed step's boundaries, and installing / removing them on one module.
 
-Used by :mod:`.forwards`, :mod:`.attend` (the forwards) and :mod:`.patch` (``patch()``); imports none of them.
+Used by :mod:`.forwards`, :mod:`.._attention.attend` (the forwards) and :mod:`.patch` (``patch()``); imports none
+of them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ _FLASH_KWARGS = FLASH_KWARGS
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "cache_params")
 #: the keyword a packed step rides under from the text model down the decoder layers' ``**kwargs`` to the
 #: attention (the interface route): an identifier of this copy, which another copy neither reads nor sets
-_STEP = "packed_step__" + __name__.rpartition("._step")[0].replace(".", "__")
+_STEP = "packed_step__" + __name__.rpartition("._step")[0].replace(".", "__")  # this module's package
 
 
 class _State:
@@ -108,7 +109,7 @@ class _PatchedForward:
 
 class _RotaryWithStep(tuple):
     """``(cos, sin)`` that also carries the step's boundaries down to the layers, and the rotations the layers
-    prepared from them (:func:`.bundled.for_layers`, keyed by the (q, k) layout)."""
+    prepared from them (:func:`.._attention.bundled.for_layers`, keyed by the (q, k) layout)."""
 
     step = None
     rotations = None
@@ -254,7 +255,7 @@ def _ours(module, fwd):
         return fwd.module is module
     return isinstance(fwd, types.MethodType) and fwd.__self__ is module and \
         getattr(fwd.__func__, "_tfcompat_key", None) is not None and \
-        fwd.__func__.__module__.rpartition("._step")[0] == _PACKAGE  # this copy's, not another copy's
+        package_of(fwd.__func__.__module__) == _PACKAGE  # this copy's, not another copy's
 
 
 def _uninstall(module):
@@ -269,7 +270,7 @@ def _uninstall(module):
         module.config = unkeyed(module.config)
 
 
-#: where an attention module's config copy (:func:`.interface.keyed`) keeps the config it copied
+#: where an attention module's config copy (:func:`.._attention.attend.keyed`) keeps the config it copied
 _ORIGINAL = "_packed_original_config"
 
 
@@ -303,17 +304,21 @@ def other_copy(model):
             mine = _State if key == _ATTR else None
             value = m.__dict__.get(key)
             if value is None or (mine is not None and isinstance(value, mine)) or \
-                    (mine is None and type(value).__module__.rpartition("._step")[0] == _PACKAGE):
+                    (mine is None and package_of(type(value).__module__) == _PACKAGE):
                 continue
-            package = type(value).__module__.rpartition("._step")[0] or type(value).__module__
+            package = package_of(type(value).__module__) or type(value).__module__
             version = getattr(sys.modules.get(package), "__version__", "?")
             where = getattr(sys.modules.get(package), "__file__", None)
             return f"{package} {version}" + (f" ({where.rpartition('/')[0]})" if where else "")
     return None
 
 
-#: this copy's package name (``tfcompat``, or ``myproj._vendor.tfcompat`` in a vendored copy)
-_PACKAGE = __name__.rpartition("._step")[0]
+def package_of(module_name):
+    """The package of a module one folder below it (``tfcompat._attention.attend``: ``tfcompat``)."""
+    return module_name.rpartition(".")[0].rpartition(".")[0]
+
+
+_PACKAGE = package_of(__name__)  # this copy's package (``tfcompat``, or ``myproj._vendor.tfcompat``)
 
 
 def _patched_as(module):

@@ -4,10 +4,10 @@ cannot pair refused."""
 
 from __future__ import annotations
 
+from .._attention.boundaries import explicit_cu, mask_valid, text_row
+from .._attention.starts import _assert, _traced_starts_of_positions, restarts
 from ..errors import PackingError, UlyssesError
-from .boundaries import explicit_cu, mask_valid, text_row
 from .install import decoding
-from .starts import _assert, _traced_starts_of_positions, restarts
 
 
 def packed_labels(state, kwargs):

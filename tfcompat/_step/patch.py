@@ -25,7 +25,7 @@ do not interfere):
   module (the step: upstream calls it with ``(x, position_ids)`` only);
   below the rotary module the thread-local only trips an error when a mixer's call lost them;
 * every text attention module: projections, q/k norms, Qwen3.5's gated query, RoPE out of place
-  through :mod:`.._kernels.rotation` (nothing autograd may have saved is written), Ulysses all-to-all,
+  through :mod:`.._rope.implementation` (nothing autograd may have saved is written), Ulysses all-to-all,
   :func:`~tfcompat.varlen.varlen_attention`, output projection, in this release's arity;
 * Qwen3.5's Gated DeltaNet layers: run per packed sequence, so no recurrent state leaks.
 
@@ -33,7 +33,7 @@ Boundaries, explicit first: ``cu_seq_lens_q`` (+ ``max_length_q``) keyword argum
 transformers' flattening collator produces), :func:`tfcompat.packing.packed`, the text row of
 4-row position ids, 2-D text ids where a sequence starts at position 0 (transformers' own
 rule). An mRoPE temporal row is never read as boundaries. Each source is validated once per
-step (:mod:`.boundaries`); the per-layer code does no host sync.
+step (:mod:`.._attention.boundaries`); the per-layer code does no host sync.
 
 Fail closed: a packed row (or any Ulysses step) either runs the patched path or raises a
 :class:`~tfcompat.errors.TfcompatError`; nothing that could be packed is handed to upstream.
@@ -45,18 +45,19 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from .._kernels.rotation import kernel_chosen_by_environment
+from .._attention import attend as _attend
+from .._attention import bundled as _bundled
 from .._probe import resolve as _resolve
 from .._probe.families import family as _family
+from .._rope.implementation import kernel_chosen_by_environment
 from ..errors import ModelError, UlyssesError, UnsupportedTransformersError
-from . import attend as _attend
-from . import bundled as _bundled
 from . import forwards as _layers
 from . import text as _text
 from . import top as _top
 from .install import (
     _ATTR,
     _MODEL_ATTR,
+    _PACKAGE,
     _install,
     _is_wrapper,
     _patched_as,
@@ -147,7 +148,7 @@ def patch(model: torch.nn.Module, *, remove_padding: bool = True, ulysses_group:
 def _refuse_another_copy(model, what):
     other = other_copy(model)
     if other is not None:
-        package = __name__.rpartition("._step")[0]
+        package = _PACKAGE
         raise ModelError(
             f"tfcompat {what}: this {type(model).__name__} is patched by another copy of tfcompat, {other}; this copy "
             f"is {package} ({__file__.rpartition('/_step')[0]}). Two copies cannot share a model (one would wrap the "
@@ -248,7 +249,7 @@ def _mask_types(config):
 def _install_all(model, fam, targets, state_of, linear_cls, resolutions, windows):
     """Install every target's forward with its state; a model already patched the same way is left as it is
     (patching twice is a no-op), else every earlier patch below the model is removed first."""
-    from .._probe.rope_params import rope_parameters
+    from .._rope.settings import rope_parameters
 
     carrier = _resolve.resolve("attention.carrier", fam.name)
     kernel = kernel_chosen_by_environment()  # TFCOMPAT_ROPE_IMPL=triton: the bundled forward rotates with it

@@ -5,12 +5,12 @@ unpacked batches run upstream's own path. Installed by reference, as :mod:`.forw
 
 from __future__ import annotations
 
+from .._attention import boundaries as _boundaries
+from .._attention import traced as _traced
+from .._parallel import shards as _shards
 from .._probe import resolve as _resolve
 from ..errors import PackedCacheError, PackingError
-from . import boundaries as _boundaries
 from . import scope as _scope
-from . import shards as _shards
-from . import traced as _traced
 from .install import (
     _ATTR,
     _CACHE_NAMES,
@@ -27,8 +27,8 @@ from .install import (
 
 
 def _find_step(state, group, explicit, position_ids, mask, batch, local, device, cached=False):
-    """The step's boundaries (:func:`.boundaries.find_step`), decided from shapes where torch.compile traces
-    (:func:`.traced.traced_step`)."""
+    """The step's boundaries (:func:`.._attention.boundaries.find_step`), decided from shapes where torch.compile traces
+    (:func:`.._attention.traced.traced_step`)."""
     import torch
 
     find = _traced.traced_step if torch.compiler.is_compiling() else _boundaries.find_step

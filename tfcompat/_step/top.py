@@ -6,11 +6,11 @@ dummy tower run on text-only batches). Installed by reference, as :mod:`.forward
 
 from __future__ import annotations
 
+from .._attention import boundaries as _boundaries
+from .._parallel import shards as _shards
 from ..errors import PackingError, UlyssesError
-from . import boundaries as _boundaries
 from . import labels as _labels
 from . import scope as _scope
-from . import shards as _shards
 from .install import (
     _ATTR,
     _FLASH_KWARGS,

@@ -186,9 +186,10 @@ def build_parser():
     p = sub.add_parser("vendor", help="copy the package into DEST (e.g. myproj/_vendor/tfcompat)")
     p.add_argument("dest", metavar="DEST")
     p.add_argument("--force", action="store_true", help="copy into a folder that is not an earlier tfcompat copy")
-    p.add_argument("--only", choices=("rope", "config", "patch"), help="copy one layer: rope (apply_rope), "
-                   "config (rope_parameters, drift) or patch (tfcompat.patch, packing, varlen, ulysses, embeds, "
-                   "rope, config), each with the modules it imports; no tools")
+    p.add_argument("--only", choices=("rope", "config", "varlen", "patch"), help="copy one layer: rope "
+                   "(apply_rope), config (rope_parameters, drift), varlen (pack, varlen_attention) or patch "
+                   "(tfcompat.patch, packing, varlen, ulysses, embeds, rope, config, testing), each with the modules "
+                   "it imports; no tools")
     p.add_argument("--no-tools", action="store_true", help="leave out the tools (this command, the checks, config "
                                                           "scaling): the compatibility layer alone")
     p.set_defaults(func=_vendor)

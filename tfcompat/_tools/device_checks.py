@@ -71,7 +71,7 @@ def _rope(name, device, dtype, inplace, vs_cpu):
 def _varlen(device, dtype):
     import torch
 
-    from .._kernels.varlen import _sdpa_fallback
+    from .._attention.kernels import _sdpa_fallback
     from ..varlen import varlen_attention
 
     g = torch.Generator().manual_seed(0)

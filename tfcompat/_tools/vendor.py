@@ -75,6 +75,7 @@ def _refusal(args, source, dest):
 LAYERS = {
     "rope": ("rope",),
     "config": ("config",),
+    "varlen": ("varlen", "packing"),
     "patch": ("", "packing", "varlen", "ulysses", "embeds", "rope", "config", "testing"),
 }
 

@@ -1,5 +1,5 @@
 """Packed attention's kernels: the dispatch every patched attention layer calls (``_varlen``), flash-attn's and
-torch's varlen kernels (called with the arguments ``attention_calls`` builds, proven on first use), the exact SDPA
+torch's varlen kernels (called with the arguments ``gpu_calls`` builds, proven on first use), the exact SDPA
 path (one fused call per sequence; one masked call under torch.compile), and what a traced graph calls
 (``traced_kernel``). Inputs arrive validated: ``tfcompat.varlen`` checks them (the public face).
 """
@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from . import varlen_choice as _choice
+from . import kernel_choice as _choice
 from .cu import check_cu_seqlens
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -29,7 +29,7 @@ def _gpu_row(q, k, v, dropout_p):
     row = _ROWS[_kind(q, dropout_p)]
     if not row.gpu:
         return None
-    from . import attention_calls as calls
+    from . import gpu_calls as calls
 
     return None if calls.unfit_shapes(q, k, v) else row
 
@@ -95,7 +95,7 @@ def traced_kernel(q, k, v, causal, window, dropout_p):
 def _proven_before_tracing(kind, q, k, causal, window):
     """Whether ``kind`` passed its proof for this layout before the graph was traced (a constant of the graph);
     if not, one warning saying how to warm up."""
-    from . import table
+    from .._kernels import table
 
     if _choice.passed_before_tracing(kind, q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], causal, window):
         return True
@@ -134,13 +134,13 @@ def _sdpa_by_seq(q, k, v, seq, scale, causal, window, dropout_p):
 
 def _gpu_call(kind, q, k, v, cu, max_seqlen, causal, scale, window, dropout_p):
     """The GPU row ``kind``'s kernel (flash-attn's or torch's varlen function), called with the arguments its row
-    builds (``attention_calls``; its tests bind them against the libraries' real signatures)."""
+    builds (``gpu_calls``; its tests bind them against the libraries' real signatures)."""
     fn, args, kwargs = _ROWS[kind].call(q, k, v, cu, max_seqlen, causal, scale, window, dropout_p)
     return fn(*args, **kwargs)
 
 
 def _prove_gpu(row, q, k, v, causal, scale, window):
-    """The row's first-use proof for this call's layout (``varlen_choice.proven``) against the SDPA path, without
+    """The row's first-use proof for this call's layout (``kernel_choice.proven``) against the SDPA path, without
     dropout."""
     return row.proof(row.name, lambda a, b, c, cu, n: _gpu_call(row.name, a, b, c, cu, n, causal, scale, window, 0.0),
                      lambda a, b, c, piece: _sdpa_fallback(a, b, c, piece, scale, causal, window, 0.0),

@@ -4,9 +4,9 @@ a device-side assertion naming tfcompat's check (no host read inside a compiled 
 
 from __future__ import annotations
 
+from .._step.scope import first, packed_boundaries
 from ..errors import PackingError, UlyssesError
 from .boundaries import Step, check_explicit_types, cu_from_seq_idx, text_row
-from .scope import first, packed_boundaries
 from .starts import _assert, _traced_starts_of_positions
 
 
@@ -44,7 +44,7 @@ def _traced_cu(explicit, batch, local):
 
 
 def check_cu_values(cu, total, what):
-    from .._kernels.cu import check_cu_seqlens
+    from .cu import check_cu_seqlens
 
     return check_cu_seqlens(cu, total, what)
 

@@ -2,7 +2,7 @@
 
 Tuned for CPU: many small in-cache ops over slices of the sequence (300-1,800 dispatched ops per
 call at 16k tokens). On a GPU each op is a kernel launch, so ``apply_rope`` sends CUDA tensors to the
-fused Triton kernel (``rope_triton.py``) or to ``compact`` below; the GPT-J probe here (``torch.equal``)
+fused Triton kernel (``fused.py``) or to ``compact`` below; the GPT-J probe here (``torch.equal``)
 would also sync with the host there.
 
 Notation, for one tensor ``x`` of rotary width ``rd`` (the leading ``rd`` channels of the

@@ -1,6 +1,6 @@
 """Which packed-attention kernel serves a call: the varlen rows of the kernel table, each with its
 ``available()`` (installed, importable, and its signature takes tfcompat's call, checked once against the real
-function), its call (the library function and the arguments ``attention_calls`` builds) and its first-use proof
+function), its call (the library function and the arguments ``gpu_calls`` builds) and its first-use proof
 (:func:`proven`, against the exact SDPA path), decided once per process. No torch at import (``report`` reads
 it), nothing of transformers."""
 
@@ -8,9 +8,9 @@ import functools
 import importlib.util
 import os
 
-from . import attention_calls as calls
-from . import table
-from .table import Impl, installed, pick, torch_ships
+from .._kernels import table
+from .._kernels.table import Impl, installed, pick, torch_ships
+from . import gpu_calls as calls
 
 __all__ = ["ROWS", "BY_NAME", "flash_varlen", "torch_varlen", "torch_varlen_signature", "torch_varlen_params",
            "torch_takes_gqa", "varlen_unfit", "varlen_kernel", "passed", "passed_before_tracing", "proven"]
@@ -169,7 +169,7 @@ def _torch_call(q, k, v, cu, max_seqlen, causal, scale, window, dropout_p):
     return torch_varlen(), args, kwargs
 
 
-# The first-use proof of the GPU rows (flash-attn's and torch's varlen kernels), beside ``rope_proof`` for the
+# The first-use proof of the GPU rows (flash-attn's and torch's varlen kernels), beside ``_rope.fused_proof`` for the
 # RoPE kernel: once per (kernel, device, dtype, heads, head_dim, causal, window) in a process, a piece of the call's
 # own tensors runs through the kernel and the exact SDPA path, forward and backward (``table.first_use``); after it,
 # one set look-up a call (``passed``).

@@ -23,22 +23,12 @@ from __future__ import annotations
 import copy
 import sys
 
+from .._step import scope as _scope
+from .._step.install import _ATTR, _CACHE_NAMES, _ORIGINAL, _STEP, _arguments, _carried, _lost_step, _original, unkeyed
 from ..errors import PackingError, TfcompatError, UlyssesError
-from . import scope as _scope
-from .install import (
-    _ATTR,
-    _CACHE_NAMES,
-    _ORIGINAL,
-    _STEP,
-    _arguments,
-    _carried,
-    _lost_step,
-    _original,
-    unkeyed,
-)
 
 #: this copy's package (``tfcompat``, or ``myproj._vendor.tfcompat``): its key and kwarg are its own
-_PACKAGE = __name__.rpartition("._step")[0]
+_PACKAGE = __name__.rpartition("._attention")[0]
 #: the key of :func:`packed_attention` in upstream's registry, and in each patched attention module's config copy
 KEY = f"{_PACKAGE}:packed"
 #: the keyword the step rides under in the layers' and the attention's kwargs (an identifier of this copy)
@@ -144,13 +134,13 @@ def _attend_row(step, q, k, v, scale, window, dropout):
     the kernel's arguments built: ``varlen.bound``) and every layer calls that."""
     import torch
 
-    from .._kernels.varlen import _varlen
+    from .kernels import _varlen
 
     if step.total != q.shape[0]:
         raise PackingError(f"tfcompat attention: boundaries cover {step.total} tokens but the layer sees "
                            f"{q.shape[0]}; pass boundaries of the whole (gathered) packed row")
     if step.seq is not None:  # a traced step (whole-model torch.compile); not step.bounds: a guard on its length
-        from .._kernels.varlen import _gpu_call, _sdpa_by_seq, traced_kernel
+        from .kernels import _gpu_call, _sdpa_by_seq, traced_kernel
 
         # boundaries and the longest sequence named by the call (the collator's kwargs, packing.packed): the GPU
         # kernel proven before tracing, as the op it is registered as; else one SDPA call under the step's mask
@@ -166,7 +156,7 @@ def _attend_row(step, q, k, v, scale, window, dropout):
     key = ("attend", q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], v.shape[2], scale, window, dropout)
     attend = step.memo.get(key)
     if attend is None:  # the first layer of the step with this layout
-        from .._kernels.varlen import bound
+        from .kernels import bound
 
         attend = step.memo[key] = bound(q, k, v, step.cu, step.bounds, step.max_len, causal=True, softmax_scale=scale,
                                         window=window, dropout_p=dropout)
@@ -178,7 +168,7 @@ def _attend_split(state, step, q, k, v, scale, dropout):
     attending the whole row's K/V, then back to this rank's tokens."""
     group = state.group
     if group is not None:
-        from .._kernels.collectives import repeat_kv_for_group, to_heads
+        from .._parallel.collectives import repeat_kv_for_group, to_heads
 
         # the step checked every rank's slice once (equal lengths); no check (host sync) per layer
         q = to_heads(q, group)
@@ -186,7 +176,7 @@ def _attend_split(state, step, q, k, v, scale, dropout):
         v = to_heads(repeat_kv_for_group(v, state.world), group)
     if state.context_group is not None:
         # context parallel: this rank's chunks (after Ulysses: of its heads) attend the whole row's K/V
-        from .._kernels.context import attend, pieces
+        from .._parallel.context import attend, pieces
 
         if "context" not in step.memo:  # once per step: Python ints only
             import torch.distributed as dist
@@ -197,7 +187,7 @@ def _attend_split(state, step, q, k, v, scale, dropout):
     else:
         out = _attend_row(step, q, k, v, scale, state.window, dropout)
     if group is not None:
-        from .._kernels.collectives import to_sequence
+        from .._parallel.collectives import to_sequence
 
         out = to_sequence(out, group)
     return out

@@ -2,7 +2,8 @@
 ``seq_idx``, :func:`tfcompat.packing.packed`), else the text row of the position ids; validated against the
 mask, the positions and (VL) the image/video placeholders; and the equal-shard check of a Ulysses step.
 
-The patched forwards (:mod:`.top`, :mod:`.text`) call these; the per-layer code reads the resulting :class:`Step`.
+The patched forwards (:mod:`.._step.top`, :mod:`.._step.text`) call these; the per-layer code reads the resulting
+:class:`Step`. Its twin under torch.compile is :func:`.traced.traced_step`.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 from .._probe import families as _families
+from .._step.scope import first, packed_boundaries
 from ..errors import PackingError, UlyssesError
-from .scope import first, packed_boundaries
 from .starts import padded_starts, starts_of
 
 # what transformers' DataCollatorWithFlattening can emit beside position ids: consumed by the patched text model
@@ -34,7 +35,7 @@ class Step:
 
 def make_step(cu, total, max_len=None, what="boundaries", max_len_k=None, tail=False):
     """``tail``: the last range is the padding a sequence-parallel row was given (not the caller's sequence)."""
-    from .._kernels.cu import check_cu_seqlens, check_longest
+    from .cu import check_cu_seqlens, check_longest
 
     bounds = check_cu_seqlens(cu, total, what)
     hint = "; pass both from the same collator"
@@ -283,7 +284,7 @@ def _step_of_positions(state, group, position_ids, text, kind, valid, total, dev
 
     rows = text if text is not None else position_ids[:, 0]  # (1, n) text row, or (3, n) T/H/W rows
     if group is not None:
-        from .._kernels.collectives import gather
+        from .._parallel.collectives import gather
 
         if valid is not None:
             raise UlyssesError(f"tfcompat {state.family}: a Ulysses shard with padding in attention_mask; pack the "

@@ -1,12 +1,12 @@
-"""The first-use proof of the fused Triton RoPE kernel (:mod:`.rope_triton`): before a (device, dtypes, layout)
+"""The first-use proof of the fused Triton RoPE kernel (:mod:`.fused`): before a (device, dtypes, layout)
 serves its first call in a process, a slice of that call's own tensors is rotated forward and back by the kernel
 and by the composite on the same device (``table.first_use`` records and reports it)."""
 
 import torch
 
-from . import rope as kernels
-from . import rope_triton as tr
-from . import table
+from .._kernels import table
+from . import fused as tr
+from . import native as kernels
 
 #: tokens of a row the proof rotates (all of a shorter row): once per key and process, beside the composite
 _TOKENS = 1024

@@ -8,7 +8,7 @@ machine has (triton found without importing it, imported once), decided once per
 proof, torch.compile, gradients through cos/sin), folds the mRoPE sections, casts cos/sin to q's dtype, splits or
 signs them for the kernel, and binds the kernel's call, all in its constructor; calling it rotates, with no
 choosing. ``apply_rope`` builds one per call; the patched attention builds one per packed step and (q, k) layout
-and every layer calls it (``_step.bundled.for_layers``). Beside the RoPE kernels: it reads no transformers (the
+and every layer calls it (``_attention.bundled.for_layers``). Beside the RoPE kernels: it reads no transformers (the
 ``rope.apply`` resolution arrives as an argument).
 """
 
@@ -18,11 +18,11 @@ import functools
 import os
 from typing import Any
 
+from .._kernels.table import SAID as _SAID  # noqa: F401  (the said messages: tests clear some)
+from .._kernels.table import Impl, installed, pick
+from .._kernels.table import say_once as _say_once
+from .._kernels.table import say_traced as _say_traced
 from ..errors import ConfigError, RopeShapeError
-from .table import SAID as _SAID  # noqa: F401  (the said messages: tests clear some)
-from .table import Impl, installed, pick
-from .table import say_once as _say_once
-from .table import say_traced as _say_traced
 
 __all__ = ["ROWS", "BY_NAME", "triton_kernels", "select", "impl_for", "IMPLS", "chosen_impl", "upstream",
            "Rotation"]
@@ -34,10 +34,10 @@ def triton_kernels():
     if not installed("triton"):  # found without importing: absent costs nothing (report imports no torch)
         return "triton is not installed; install triton, or use impl='native' or 'composite'"
     try:
-        from . import rope_triton
+        from . import fused
     except ImportError as exc:  # no triton (CPU builds of torch do not ship it)
         return f"triton is not importable ({exc}); install triton, or use impl='native' or 'composite'"
-    return rope_triton
+    return fused
 
 
 def _triton_unfit():
@@ -46,8 +46,8 @@ def _triton_unfit():
 
 
 def _triton_proof(*args):
-    """``rope_proof.proven`` (it imports triton: imported when a Triton rotation is first built)."""
-    from .rope_proof import proven
+    """``fused_proof.proven`` (it imports triton: imported when a Triton rotation is first built)."""
+    from .fused_proof import proven
 
     return proven(*args)
 
@@ -151,7 +151,7 @@ class Rotation:
     messages."""
 
     def __init__(self, q, k, cos, sin, name, res, seq_dim, unsqueeze_dim, section, inplace, impl):
-        from . import rope as kernels
+        from . import native as kernels
 
         self.kernels = kernels  # bound once: the per-layer call looks nothing up
         self.res, self.section, self.seq_dim, self.unsqueeze_dim, self.inplace = res, section, seq_dim, \

@@ -10,14 +10,14 @@ model's implementation decide at patch time):
 
 ``patch`` binds :func:`bundled_forward` on each such module's state; :func:`.attend.attention_forward` runs it with
 the call both routes share (the whole row's bound kernel, or Ulysses' / context's slice). Built on the rotation
-``tfcompat.rope.apply_rope`` runs (:class:`.._kernels.rotation.Rotation`). Dropping these routes drops this module.
+``tfcompat.rope.apply_rope`` runs (:class:`.._rope.implementation.Rotation`). Dropping these routes drops this module.
 """
 
 from __future__ import annotations
 
-from .._kernels.rotation import Rotation, chosen_impl
 from .._probe import resolve as _resolve
 from .._probe.families import family as family_of
+from .._rope.implementation import Rotation, chosen_impl
 from ..errors import PackingError
 
 
@@ -87,7 +87,8 @@ def for_layers(carried, q, k, family, section, res):
 def rotate(q, k, cos, sin, model_type, mrope_section, resolution=None):
     """The patched attention's rotation under torch.compile (traced: nothing kept between layers): out of place,
     (batch, heads, seq, head_dim), with the cos/sin that this release's rotary module returned (checked once
-    per step, :func:`.forwards.check_cos`), the sections and the ``rope.apply`` resolution bound at patch time."""
+    per step, :func:`.._step.forwards.check_cos`), the sections and the ``rope.apply`` resolution bound at patch
+    time."""
     fam = family_of(model_type)
     res = resolution if resolution is not None else _resolve.resolve("rope.apply", fam.name)
     return Rotation(q, k, cos, sin, fam.name, res, 2, 1, mrope_section, False, chosen_impl(None))(q, k)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from .._probe import resolve as _resolve
+from .._probe import transformers4
+from .._probe.families import family as _family
+from .._probe.families import text_config
 from ..errors import ConfigError
-from . import resolve as _resolve
-from . import transformers4
-from .families import family as _family
-from .families import text_config
 
 
 def rope_dict(cfg, key):

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
+from .._attention.boundaries import explicit_cu, positions_of, text_row
+from .._step.scope import first
 from ..errors import PackingError, UlyssesError
-from .boundaries import explicit_cu, positions_of, text_row
-from .scope import first
 
 if TYPE_CHECKING:
     import torch
@@ -72,7 +72,7 @@ def _check_ulysses_lengths(local, batch, group, state, inputs, position_ids, who
     import torch
     import torch.distributed as dist
 
-    from .._kernels.collectives import all_gather
+    from .collectives import all_gather
 
     if batch != 1:
         raise UlyssesError(f"tfcompat {state.family}: Ulysses needs one packed row per rank (batch 1), got batch "
@@ -141,7 +141,7 @@ def shard_positions(state, explicit, position_ids, local, device, rows=2):
     (None when the call names no boundaries)."""
     import torch
 
-    from .._kernels.collectives import slice_for_rank
+    from .collectives import slice_for_rank
 
     cu = explicit_cu(explicit)
     if cu is None:
@@ -193,7 +193,7 @@ def slice_inputs(inputs_embeds: torch.Tensor, position_ids: torch.Tensor, *,
     """
     import torch
 
-    from .._kernels.collectives import slice_for_rank as _slice
+    from .collectives import slice_for_rank as _slice
 
     which = {"group": group, "context_group": context_group}
     out: dict[str, Any] = {
