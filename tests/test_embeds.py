@@ -19,7 +19,9 @@ from _helpers import installed
 from _models import (
     capture_text_model_inputs,
     forward_kwargs,
+    padded,
     run_upstream,
+    three_d_positions,
     tiny_model,
     tiny_pixels,
     tiny_sequence,
@@ -244,3 +246,22 @@ def test_families_embeds_cannot_serve_are_refused_by_name(name):
     for call in calls.values():
         with pytest.raises(EmbedsError, match=f"does not serve {name}: {re.escape(SPECS[name].embeds_refusal)}"):
             call()
+
+
+@pytest.mark.parametrize("name", [n for n in VISION if SPECS[n].mrope])
+def test_upstreams_mrope_positions_start_a_sequence_only_at_the_origin(name):
+    """The rule tfcompat reads 3-row mRoPE ids by (``_attention.starts.at_origin``, eagerly and traced alike):
+    upstream's get_rope_index (the release's own, through tfcompat.embeds.rope_index) puts each sequence's first
+    token at (0, 0, 0) and no other token of it there, whether the sequence starts with an image, holds one inside,
+    or none. The packed row of three sequences is marked at exactly their starts."""
+    from tfcompat._attention.starts import at_origin  # private: the one reading of 3-row ids is under test
+
+    model = tiny_model(name)
+    rows = [tiny_sequence(name, image=True, config=model.config), tiny_sequence(name, text=5, config=model.config),
+            tiny_sequence(name, image=True, image_first=True, config=model.config)]
+    ids, mask = padded(rows)
+    pos = three_d_positions(model, ids, mask, tiny_pixels(images=2))
+    row = torch.cat([pos[:, i, mask[i].bool()] for i in range(len(rows))], dim=1)  # (3, tokens): the packed row
+    want = torch.zeros(row.shape[1], dtype=torch.bool)
+    want[[0, len(rows[0]), len(rows[0]) + len(rows[1])]] = True
+    assert torch.equal(at_origin(row), want), (row.tolist(), [len(r) for r in rows])

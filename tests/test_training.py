@@ -459,8 +459,9 @@ def test_deepcopy_pickle_and_save_of_a_patched_model(name):
 
 def test_a_bundled_forward_state_pickled_without_its_body_is_refused(monkeypatch):
     """The bundled attention forward is a body patch() binds on each forward-route module's state
-    (``_attention/bundled.py``). A state pickled by tfcompat 0.3.0 names no body (its dispatcher held it): unpickled, a
-    packed step is refused with what to do, not run through another body; patched again, it equals the original."""
+    (``_attention/bundled.py``). A model patched and pickled by tfcompat 0.3.0 names no body (its dispatcher held it)
+    and names the attention's forward where 0.3.0 kept it (``_step.forwards``): it unpickles, a packed step is refused
+    with what to do, not run through another body; patched again, it equals the original."""
     from tfcompat._step.install import _ATTR  # private: the per-module state under test
 
     name = FAMILIES[0]
@@ -474,7 +475,11 @@ def test_a_bundled_forward_state_pickled_without_its_body_is_refused(monkeypatch
         want, _ = _packed_call(model, ids, mask, pixels)
         for st in states:
             del st.__dict__["body"]  # as 0.3.0 pickled it
-        old = pickle.loads(pickle.dumps(model))
+        data = pickle.dumps(model, protocol=2)  # GLOBAL opcodes: module and name spelled out, as text
+        now = b"ctfcompat._attention.attend\nattention_forward\n"
+        then = b"ctfcompat._step.forwards\nattention_forward\n"  # where 0.3.0 kept it
+        assert now in data
+        old = pickle.loads(data.replace(now, then))
         with pytest.raises(TfcompatError, match="patched by an earlier tfcompat and then pickled"):
             _packed_call(old, ids, mask, pixels)
         tfcompat.patch(old)

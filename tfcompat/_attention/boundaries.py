@@ -13,7 +13,7 @@ import dataclasses
 from .._probe import families as _families
 from .._step.scope import first, packed_boundaries
 from ..errors import PackingError, UlyssesError
-from .starts import padded_starts, starts_of
+from .starts import at_origin, padded_starts, starts_of
 
 # what transformers' DataCollatorWithFlattening can emit beside position ids: consumed by the patched text model
 # (validated once per step, turned into the step's boundaries), never forwarded where upstream misreads them
@@ -239,7 +239,7 @@ def _step_of_cu(group, cu, source, explicit, position_ids, valid, batch, total, 
             position_ids.shape[0] == 3 and position_ids.shape[1] == 1:
         # 3-row mRoPE ids: every sequence starts at (0, 0, 0) (text or an image's first patch), and no other
         # token is there; one read of the row, as for text ids
-        zero = (position_ids[:, 0] == 0).all(dim=0)
+        zero = at_origin(position_ids[:, 0])
         starts = [int(i) for i in torch.nonzero(zero).flatten().tolist()]
         if starts and starts[0] == 0 and starts != list(step.bounds[:-1]):
             raise PackingError(
@@ -266,7 +266,7 @@ def _refuse_restarting_rows(position_ids, text, mask, batch, local):
         if mask is not None and mask.shape[-1] == local and not bool(mask[row].bool().all()):
             continue  # padding in this row: upstream masks it exactly
         if text is None:  # 3-row mRoPE ids: a token at (0, 0, 0) after the first starts a sequence
-            restarts = bool((position_ids[:, row] == 0).all(dim=0)[1:].any())
+            restarts = bool(at_origin(position_ids[:, row])[1:].any())
         else:
             restarts = len(starts_of(text[row], None, "position ids")) > 1
         if restarts:
@@ -296,7 +296,7 @@ def _step_of_positions(state, group, position_ids, text, kind, valid, total, dev
         # temporal positions can exceed the text after it), so it never marks boundaries. Only a token at
         # (0, 0, 0) after the first one shows that the row holds several sequences: refuse those.
         t = rows[:, valid] if valid is not None and group is None else rows
-        zero = (t == 0).all(dim=0)
+        zero = at_origin(t)
         if group is not None:  # slice_for_rank pads the row's end with zeros
             real = torch.nonzero(~zero).flatten()
             zero = zero[: int(real[-1]) + 1] if real.numel() else zero[:1]

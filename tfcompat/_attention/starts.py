@@ -1,7 +1,8 @@
 """Where a sequence starts in a row of text positions (transformers' rule: at each position 0), read two ways side
 by side: eagerly, as Python lists with refusals (:func:`starts_of`, :func:`padded_starts`), and inside a region
 torch.compile traces, by tensor ops with every check of values a device-side assertion (:func:`_assert`,
-:func:`_traced_starts_of_positions`). tests/test_starts.py runs every row of up to five positions through both."""
+:func:`_traced_starts_of_positions`). tests/test_starts.py runs every row of up to five positions through both.
+3-row mRoPE ids have one rule, read by both alike: :func:`at_origin`."""
 
 from __future__ import annotations
 
@@ -47,6 +48,15 @@ def padded_starts(row, valid):
 
     t = row[valid]
     return [0] + (torch.nonzero(t[1:] == 0).flatten() + 1).tolist() if t.numel() else [0]
+
+
+def at_origin(positions):
+    """Bool (..., n): the tokens of mRoPE ids (the T/H/W rows on dim 0) at (0, 0, 0), the one place 3-row ids show
+    where a sequence starts: upstream's get_rope_index puts each sequence's first token there and no other token
+    (the temporal row goes down inside one sequence, so it marks nothing; tests/test_embeds.py holds the rule per
+    release). Tensor ops only, so the eager reading (``_attention.boundaries``) and the traced one
+    (``_attention.traced``) both read it here."""
+    return (positions == 0).all(dim=0)
 
 
 def _assert(ok, what):

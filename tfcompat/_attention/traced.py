@@ -7,7 +7,7 @@ from __future__ import annotations
 from .._step.scope import first, packed_boundaries
 from ..errors import PackingError, UlyssesError
 from .boundaries import Step, check_explicit_types, cu_from_seq_idx, text_row
-from .starts import _assert, _traced_starts_of_positions
+from .starts import _assert, _traced_starts_of_positions, at_origin
 
 
 def _traced_cu(explicit, batch, local):
@@ -110,7 +110,7 @@ def _traced_named(cu, name, max_len, seq_idx, text, position_ids, mask, batch, l
     elif position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 3 and \
             position_ids.shape[1] == 1:
         starts = torch.cat((torch.ones(1, dtype=torch.bool, device=device), seq[1:] != seq[:-1]))
-        zero = (position_ids[:, 0].to(device) == 0).all(dim=0)
+        zero = at_origin(position_ids[:, 0].to(device))
         _assert(~zero[0] | (zero == starts).all(),
                 f"{name} and the mRoPE position ids (restarting at (0, 0, 0)) put sequence "
                 f"starts at different tokens; pass boundaries and position ids of the same packing")
@@ -130,7 +130,7 @@ def _traced_positions(state, text, position_ids, mask, batch, local, device, cac
         return None
     if position_ids.dim() == 3 and position_ids.shape[0] == 3:
         if mask is None or getattr(mask, "dim", lambda: 0)() == 2:
-            zero = (position_ids == 0).all(dim=0)[:, 1:].any(-1)  # (batch,): a token after the first at (0, 0, 0)
+            zero = at_origin(position_ids)[:, 1:].any(-1)  # (batch,): a token after the first at (0, 0, 0)
             if mask is not None:
                 zero = zero & mask.bool().all(-1)
             _assert(~zero.any(), "3-row mRoPE position ids hold several packed sequences (a token after the first "

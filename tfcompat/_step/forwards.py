@@ -2,11 +2,13 @@
 (:data:`.patch.FORWARDS`): here the rotary module (hands the step to the layers on its output, checked once a step:
 :func:`check_cos`), the decoder layers and the linear-attention mixers, which read only their arguments, the step and
 what patch time bound; the attention's in :mod:`.._attention.attend`, the text model's in :mod:`.text`, the top
-model's and the vision owner's in :mod:`.top`.
+model's and the vision owner's in :mod:`.top`. ``attention_forward`` is also reachable here, where a model patched
+and pickled by 0.3.0 names it.
 """
 
 from __future__ import annotations
 
+from .._attention.attend import attention_forward  # noqa: F401  (0.3.0's pickles name it here)
 from .._probe import resolve as _resolve
 from .._probe.families import family as family_of
 from ..errors import PackingError, RopeShapeError, TfcompatError
