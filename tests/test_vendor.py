@@ -147,6 +147,37 @@ def test_vendored_copy_without_tools(tmp_path):
     assert out.returncode == 2 and "without its tools" in out.stderr, out.stdout + out.stderr
 
 
+def test_a_wheel_holds_the_trees_modules_only(tmp_path):
+    """A wheel built from the checkout holds the package's modules as the tree has them, not a module an earlier
+    build left in build/lib (a module since moved: the feature folders moved 17, and tox's wheel then held both)."""
+    import shutil
+    import zipfile
+
+    setuptools = pytest.importorskip("setuptools")
+    repo = ROOT  # the checkout: setup.py and setup.cfg beside the package
+    if not (repo / "setup.py").exists():
+        pytest.skip("the tests run beside an installed package, not a checkout")
+    tree = tmp_path / "tree"
+    shutil.copytree(repo / "tfcompat", tree / "tfcompat", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("setup.py", "setup.cfg", "README.md", "pyproject.toml"):
+        if (repo / name).exists():
+            shutil.copy(repo / name, tree / name)
+    stale = tree / "build" / "lib" / "tfcompat" / "_step" / "boundaries.py"  # where 0.3.0 kept it
+    stale.parent.mkdir(parents=True)
+    stale.write_text("MOVED = True\n")
+    build = "import os, sys, setuptools.build_meta as b\nos.chdir(sys.argv[1]); print(b.build_wheel(sys.argv[2]))\n"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", build, str(tree), str(tmp_path / "dist")], capture_output=True,
+                         text=True, env=env, timeout=300)
+    if out.returncode and "No module named 'wheel'" in out.stderr:
+        pytest.skip(f"setuptools {setuptools.__version__} builds wheels only with the `wheel` package installed")
+    assert out.returncode == 0, out.stderr[-2000:]
+    names = {n for n in zipfile.ZipFile(tmp_path / "dist" / out.stdout.strip().splitlines()[-1]).namelist()
+             if n.startswith("tfcompat/") and n.endswith(".py")}
+    want = {p.relative_to(tree).as_posix() for p in (tree / "tfcompat").rglob("*.py")}
+    assert names == want, (sorted(names - want), sorted(want - names))
+
+
 def test_vendor_makes_the_parent_packages_a_wheel_needs(tmp_path):
     """`tfcompat vendor myproj/_vendor/tfcompat` in a setuptools project whose setup.py uses find_packages (as
     verl's does): the missing `_vendor/__init__.py` is made, so the built wheel holds the copy; a folder that
