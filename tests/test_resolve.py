@@ -273,6 +273,58 @@ def test_docstrings_name_modules_that_exist():
     assert not stale, stale
 
 
+def test_docstrings_name_functions_in_the_module_that_defines_them():
+    """A ``module.name`` a docstring or comment of the package spells, where ``module`` is a module of the package
+    (its own folder's first, else a public one, else the first part of a private path such as ``_rope.fused``),
+    names something that module defines: moved functions left ``varlen.bound`` naming the public module for a
+    function of ``_attention.kernels``."""
+    import ast
+    import pathlib
+    import re
+
+    import tfcompat
+
+    root = pathlib.Path(tfcompat.__file__).parent
+    files = [p for p in root.rglob("*.py") if "__pycache__" not in p.parts]
+
+    def defines(path):
+        names = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    names |= {leaf.id for leaf in ast.walk(target) if isinstance(leaf, ast.Name)}
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names |= {a.asname or a.name.split(".")[0] for a in node.names}
+        return names
+
+    strings = {n.value for p in files for n in ast.walk(ast.parse(p.read_text()))
+               if isinstance(n, ast.Constant) and isinstance(n.value, str)}  # capabilities: ``rope.apply``
+    stale, checked = [], 0
+    for path in files:
+        for dotted in re.findall(r"``([\w.]+\.\w+)``", path.read_text()):
+            parts = dotted.split(".")
+            if dotted in strings or parts[0] == "config" or parts[-1] == "py":  # a capability, a config, a file
+                continue
+            target = None
+            for i in range(len(parts) - 1, 0, -1):  # the longest module path the name starts with
+                for base in (path.parent, root):
+                    candidate = base.joinpath(*parts[:i]).with_suffix(".py")
+                    if candidate.exists():
+                        target, rest = candidate, parts[i:]
+                        break
+                if target:
+                    break
+            if target is None or len(rest) != 1:
+                continue  # not a module's name (``rope.apply``: a capability) or a method of a class
+            checked += 1
+            if rest[0] not in defines(target):
+                stale.append(f"{path.relative_to(root)}: {dotted} ({target.relative_to(root)} defines no {rest[0]})")
+    assert checked >= 5, checked  # the check reads real references (6 when it was written)
+    assert not stale, stale
+
+
 def test_the_public_family_facts_are_the_tables():
     """tfcompat.testing.families(): every family the table knows (the installed ones by default), with the facts the
     tests and frameworks pick by, read from the family table."""

@@ -131,7 +131,7 @@ def _delegate(module, query, key, value, attention_mask, kwargs):
 def _attend_row(step, q, k, v, scale, window, dropout):
     """Attention over the whole packed row this layer sees (after Ulysses: all of its heads' tokens). Eager, the
     step binds the call once for the layers' layout (the kernel chosen and proven, the boundaries on q's device,
-    the kernel's arguments built: ``varlen.bound``) and every layer calls that."""
+    the kernel's arguments built: ``kernels.bound``) and every layer calls that."""
     import torch
 
     from .kernels import _varlen
