@@ -79,8 +79,15 @@ def test_a_feature_lives_in_one_folder():
     public = {m for m in graph if m and "." not in m}
     twice = sorted((leaf, where) for leaf, where in leaves.items() if len(where) > 1 or leaf in public)
     assert not twice, twice
-    for feature in ("_rope", "_attention", "_parallel"):
-        assert {room(m) for m in graph if m.split(".")[0] == feature} >= {"kernel"}, feature
+    for feature in ("_rope", "_attention", "_parallel"):  # its kernels and what decides or runs them, together
+        spans = {room(m) for m in graph if m.split(".")[0] == feature and "." in m}
+        assert "kernel" in spans and len(spans) >= 2, (feature, spans)
+    # the lifetime folders hold no feature's module: the shared kernel table, the probes, the installed forwards
+    # (``_step.rope_index`` is the embedding path's: the mRoPE positions ``embeds.rope_index`` serves)
+    strays = sorted(m for m in graph if m.split(".")[0] in ("_kernels", "_probe", "_step")
+                    and re.match(r"(rope|rotation|varlen|attention|attend|cu|collectives|context|shards|starts|"
+                                 r"boundaries|traced|bundled)($|_)", m.rpartition(".")[2]) and m != "_step.rope_index")
+    assert not strays, strays
 
 
 #: imports kept only so that an older release's pickles find a name where it lived, left out of the floors (the
