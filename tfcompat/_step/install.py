@@ -27,8 +27,8 @@ class _State:
     """Per patched module. Picklable and deep-copyable: a copy shares the (unpicklable) process group;
     a pickled copy forgets it and asks to be patched again before a Ulysses step."""
 
-    calls = context_group = body = owner = None  # for states pickled before these existed
-    rides, context_world = False, 1
+    calls = context_group = body = owner = None  # for states pickled before these existed (0.3.0's, say)
+    rides, context_world, carrier = False, 1, "forward"  # 0.3.0 had only the forward route
     masks = None  # the text model: the layer types whose masks a packed step hands as None (CarrierPlan.masks_by_type)
 
     def __init__(self, kind, family, remove_padding, group, world, saved_forward=None, dummy_visual=True,
