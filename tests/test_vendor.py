@@ -147,6 +147,18 @@ def test_vendored_copy_without_tools(tmp_path):
     assert out.returncode == 2 and "without its tools" in out.stderr, out.stdout + out.stderr
 
 
+def _build_wheel(setuptools, project, dist):
+    """The wheel setuptools' own PEP 517 backend builds from ``project`` into ``dist`` (no network, no PYTHONPATH)."""
+    build = "import os, sys, setuptools.build_meta as b\nos.chdir(sys.argv[1]); print(b.build_wheel(sys.argv[2]))\n"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", build, str(project), str(dist)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    if out.returncode and "No module named 'wheel'" in out.stderr:
+        pytest.skip(f"setuptools {setuptools.__version__} builds wheels only with the `wheel` package installed")
+    assert out.returncode == 0, out.stderr[-2000:]
+    return dist / out.stdout.strip().splitlines()[-1]
+
+
 def test_a_wheel_holds_the_trees_modules_only(tmp_path):
     """A wheel built from the checkout holds the package's modules as the tree has them, not a module an earlier
     build left in build/lib (a module since moved: the feature folders moved 17, and tox's wheel then held both)."""
@@ -165,14 +177,7 @@ def test_a_wheel_holds_the_trees_modules_only(tmp_path):
     stale = tree / "build" / "lib" / "tfcompat" / "_step" / "boundaries.py"  # where 0.3.0 kept it
     stale.parent.mkdir(parents=True)
     stale.write_text("MOVED = True\n")
-    build = "import os, sys, setuptools.build_meta as b\nos.chdir(sys.argv[1]); print(b.build_wheel(sys.argv[2]))\n"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([sys.executable, "-c", build, str(tree), str(tmp_path / "dist")], capture_output=True,
-                         text=True, env=env, timeout=300)
-    if out.returncode and "No module named 'wheel'" in out.stderr:
-        pytest.skip(f"setuptools {setuptools.__version__} builds wheels only with the `wheel` package installed")
-    assert out.returncode == 0, out.stderr[-2000:]
-    names = {n for n in zipfile.ZipFile(tmp_path / "dist" / out.stdout.strip().splitlines()[-1]).namelist()
+    names = {n for n in zipfile.ZipFile(_build_wheel(setuptools, tree, tmp_path / "dist")).namelist()
              if n.startswith("tfcompat/") and n.endswith(".py")}
     want = {p.relative_to(tree).as_posix() for p in (tree / "tfcompat").rglob("*.py")}
     assert names == want, (sorted(names - want), sorted(want - names))
@@ -196,23 +201,16 @@ def test_vendor_makes_the_parent_packages_a_wheel_needs(tmp_path):
     assert (project / "myproj" / "_vendor" / "__init__.py").exists(), out.stdout
     assert (project / "myproj" / "__init__.py").read_text() == "KEEP = 1\n"
     assert "made " in out.stdout and str(project / "myproj" / "__init__.py") not in out.stdout
-    build = ("import os, sys, setuptools.build_meta as b\n"
-             "os.chdir(sys.argv[1]); print(b.build_wheel(sys.argv[2]))\n")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([sys.executable, "-c", build, str(project), str(tmp_path / "dist")], capture_output=True,
-                         text=True, env=env, timeout=300)
-    if out.returncode and "No module named 'wheel'" in out.stderr:
-        pytest.skip(f"setuptools {setuptools.__version__} builds wheels only with the `wheel` package installed")
-    assert out.returncode == 0, out.stderr[-2000:]
     import zipfile
 
-    names = zipfile.ZipFile(tmp_path / "dist" / out.stdout.strip().splitlines()[-1]).namelist()
+    wheel = _build_wheel(setuptools, project, tmp_path / "dist")
+    names = zipfile.ZipFile(wheel).namelist()
     for want in ("myproj/_vendor/__init__.py", "myproj/_vendor/tfcompat/__init__.py",
                  "myproj/_vendor/tfcompat/rope.py", "myproj/_vendor/tfcompat/_rope/native.py",
                  "myproj/_vendor/tfcompat/_provenance.py"):
         assert want in names, (want, sorted(names)[:20])
     # the wheel names the version and the commit the copy came from (VENDORED, not a module, stays behind)
-    stamp = zipfile.ZipFile(tmp_path / "dist" / out.stdout.strip().splitlines()[-1]).read(
+    stamp = zipfile.ZipFile(wheel).read(
         "myproj/_vendor/tfcompat/_provenance.py").decode()
     assert "\nSTAMP = (" in stamp and "'vendored')" in stamp, stamp
 

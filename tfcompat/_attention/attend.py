@@ -24,12 +24,22 @@ import copy
 import sys
 
 from .._step import scope as _scope
-from .._step.install import _ATTR, _CACHE_NAMES, _ORIGINAL, _STEP, _arguments, _carried, _lost_step, _original, unkeyed
+from .._step.install import (
+    _ATTR,
+    _CACHE_NAMES,
+    _ORIGINAL,
+    _PACKAGE,
+    _STEP,
+    _arguments,
+    _carried,
+    _lost_step,
+    _original,
+    unkeyed,
+)
 from ..errors import PackingError, TfcompatError, UlyssesError
 
-#: this copy's package (``tfcompat``, or ``myproj._vendor.tfcompat``): its key and kwarg are its own
-_PACKAGE = __name__.rpartition("._attention")[0]
-#: the key of :func:`packed_attention` in upstream's registry, and in each patched attention module's config copy
+#: the key of :func:`packed_attention` in upstream's registry, and in each patched attention module's config copy:
+#: this copy's own (``tfcompat:packed``, or ``myproj._vendor.tfcompat:packed``)
 KEY = f"{_PACKAGE}:packed"
 #: the keyword the step rides under in the layers' and the attention's kwargs (an identifier of this copy)
 STEP = _STEP
